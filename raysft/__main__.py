@@ -1,0 +1,5 @@
+import sys
+
+from raysft.cli import main
+
+sys.exit(main())

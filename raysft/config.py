@@ -1,0 +1,237 @@
+"""Typed run configuration: one small dataclass per component, composed into TrainConfig.
+
+Loaded from YAML plus `--set section.key=value` overrides and validated once, up front, so that a typo or an
+inconsistent value fails on the driver with the key's name instead of deep inside a Ray worker.
+The defaults are the embedded demo: a tiny LLaMA trained from scratch on the bundled conversations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or inconsistent; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face directory (config.json + safetensors) to fine-tune. Empty: train from scratch."""
+    config: str = "demo-tiny"
+    """From-scratch architecture: a preset name (see raysft.model.PRESETS) or a config.json / directory."""
+    tokenizer: str = "builtin:demo"
+    """Tokenizer directory; empty means `path`. "builtin:demo" is the byte-level BPE shipped for the demo."""
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=lambda: ["builtin:demo"])
+    """ShareGPT/FastChat or OpenAI-messages files (.json array or .jsonl); "builtin:demo" is the bundled set."""
+    chat_template: str = "auto"
+    """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
+    max_seq_len: int = 512
+    on_bad_record: Literal["error", "skip"] = "error"
+    store_dir: str = ""
+    """Where the tokenized parquet store lives; empty: `<run.storage_path>/datasets`."""
+
+
+@dataclass
+class TrainLoopConfig:
+    max_steps: int = 300
+    seed: int = 0
+    global_batch_size: int = 16
+    """Samples per optimizer step over all workers; gradient accumulation makes up the difference."""
+    micro_batch_size: int = 4
+    """Samples per worker per forward/backward."""
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    log_every_n_steps: int = 10
+    report_every_n_steps: int = 0
+    """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
+
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+
+
+@dataclass
+class ParallelConfig:
+    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    hsdp_shard_size: int = 0
+    """HYBRID_SHARD shard-group size; 0 takes workers per node from Ray (wrong when logical nodes share an IP)."""
+    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: str = "none"
+    """"none", "full", or an integer k as a string: checkpoint every k-th decoder layer."""
+    cpu_offload: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    mode: Literal["full"] = "full"
+    """"full": rank 0 gathers the whole state to CPU and writes HF safetensors."""
+    every_n_steps: int = 100
+    keep: int = 2
+    """Checkpoints kept by Ray (num_to_keep); the latest is never deleted."""
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    """Logical CPUs per worker; a local Ray is sized from this, so 4 workers fit on a 2-core laptop."""
+    max_failures: int = 0
+
+
+@dataclass
+class RunConfig:
+    name: str = "raysft-demo"
+    """Fixed run name: launching again with the same name and storage resumes from its latest checkpoint."""
+    storage_path: str = "~/raysft_runs"
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.storage_path).expanduser().resolve() / self.run.name
+
+    @property
+    def store_dir(self) -> Path:
+        base = self.data.store_dir or str(Path(self.run.storage_path) / "datasets")
+        return Path(base).expanduser().resolve()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        return _build(cls, data, prefix="")
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML file (None: the defaults) and apply `section.key=value` overrides (values parsed as YAML)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path}: top level must be a mapping of sections, got {type(data).__name__}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return TrainConfig.from_dict(data)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known in this section: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        key = prefix + name
+        tp = hints[name]
+        kwargs[name] = _build(tp, value, key + ".") if dataclasses.is_dataclass(tp) else _coerce(tp, value, key)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(str, typing.get_args(tp)))}")
+        return value
+    if origin in (list, typing.List):
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
+        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"config key '{key}': union types are not supported")  # pragma: no cover
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[tp]
+    if not ok:
+        raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+    return float(value) if tp is float else value
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need more than one value; type checks happen while loading."""
+    t, s, c, p, d = cfg.train, cfg.scaling, cfg.checkpoint, cfg.parallel, cfg.data
+    _require(t.max_steps > 0, "train.max_steps", f"must be > 0, got {t.max_steps}")
+    _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
+    _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
+    _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
+    per_step = t.micro_batch_size * s.num_workers
+    _require(
+        t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × scaling.num_workers "
+        f"= {t.micro_batch_size} × {s.num_workers} = {per_step}",
+    )
+    _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", f"must be two values in [0, 1), got {t.betas}")
+    _require(t.log_every_n_steps > 0, "train.log_every_n_steps", f"must be > 0, got {t.log_every_n_steps}")
+    _require(t.report_every_n_steps >= 0, "train.report_every_n_steps", f"must be >= 0, got {t.report_every_n_steps}")
+    _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")
+    _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
+    _require(len(d.paths) > 0, "data.paths", "needs at least one file")
+    _require(p.hsdp_shard_size >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {p.hsdp_shard_size}")
+    ac = p.activation_checkpointing
+    _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
+             f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")
+    _require(bool(cfg.model.path or cfg.model.config), "model.config", "set model.path (fine-tune) or model.config (from scratch)")
+    _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer", "no tokenizer: set model.tokenizer or model.path")
+    _require(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name", f"must be a non-empty name without '/', got {cfg.run.name!r}")

@@ -1,0 +1,85 @@
+"""Batches from the parquet store, in an order that is a pure function of (seed, epoch, position).
+
+The position is one global cursor (epoch, samples consumed in it), not per-rank iterator state: every rank derives
+the same global batch from it and takes its own slice, so a resumed run sees exactly the samples it would have
+seen. Each optimizer step consumes `global_batch_size` samples; the last partial batch of an epoch is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from raysft.data import IGNORE_INDEX
+
+
+@dataclass
+class DataCursor:
+    seed: int
+    epoch: int = 0
+    consumed: int = 0  # samples of this epoch already used
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "DataCursor":
+        return cls(**state)
+
+
+class TokenizedDataset:
+    def __init__(self, store: Path):
+        table = pq.read_table(store / "samples.parquet", columns=["input_ids", "labels", "num_loss_tokens"])
+        self.input_ids = table.column("input_ids").to_pylist()
+        self.labels = table.column("labels").to_pylist()
+        self.num_loss_tokens = table.column("num_loss_tokens").to_numpy()
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class GlobalBatchSampler:
+    """Hands out global batches of sample indices and advances the cursor."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, cursor: DataCursor):
+        if num_samples < global_batch_size:
+            raise ValueError(f"the data has {num_samples} samples, fewer than train.global_batch_size={global_batch_size}")
+        self.num_samples, self.global_batch_size, self.cursor = num_samples, global_batch_size, cursor
+        self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def next_batch(self) -> np.ndarray:
+        c = self.cursor
+        if c.consumed + self.global_batch_size > self.num_samples:
+            c.epoch, c.consumed = c.epoch + 1, 0
+        if self._order_epoch != c.epoch:
+            self._order, self._order_epoch = epoch_order(c.seed, c.epoch, self.num_samples), c.epoch
+        batch = self._order[c.consumed : c.consumed + self.global_batch_size]
+        c.consumed += self.global_batch_size
+        return batch
+
+
+def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int, micro_batch_size: int) -> list[np.ndarray]:
+    share = global_batch[rank :: world_size]
+    return [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+
+
+def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence in this micro-batch (not to max_seq_len)."""
+    longest = max(len(dataset.input_ids[i]) for i in indices)
+    input_ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(indices), longest), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(indices), longest), dtype=torch.long)
+    for row, i in enumerate(indices):
+        n = len(dataset.input_ids[i])
+        input_ids[row, :n] = torch.tensor(dataset.input_ids[i])
+        labels[row, :n] = torch.tensor(dataset.labels[i])
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}

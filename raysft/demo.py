@@ -1,0 +1,96 @@
+"""The embedded demo's assets: synthetic conversations and a byte-level BPE tokenizer trained on them.
+
+Nothing may come from a model hub, so the project makes its own. The files are shipped in raysft/assets/demo;
+`python -m raysft.demo` regenerates them (deterministically) after a change here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+DEMO_CONVERSATIONS = DEMO_DIR / "conversations.json"
+DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
+DEMO_PROMPT = "What is the capital of France?"
+
+# Assistant text is wrapped in {% generation %} so transformers can return the assistant-token mask.
+DEMO_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{{ '<|assistant|>\\n' }}{% generation %}{{ m['content'] + '<|end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else -%}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>\\n' }}{%- endif -%}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+_CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
+    "Canada": "Ottawa", "Egypt": "Cairo", "Kenya": "Nairobi", "Peru": "Lima", "Norway": "Oslo",
+    "Greece": "Athens", "Poland": "Warsaw", "Chile": "Santiago", "India": "New Delhi", "China": "Beijing",
+}
+_OPPOSITES = {"hot": "cold", "big": "small", "fast": "slow", "up": "down", "light": "dark", "old": "new",
+              "happy": "sad", "early": "late", "open": "closed", "strong": "weak"}
+_COLORS = {"the sky": "blue", "grass": "green", "snow": "white", "coal": "black", "a banana": "yellow",
+           "a tomato": "red", "an orange": "orange", "a plum": "purple"}
+_SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+
+
+def _qa(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        country = rng.choice(list(_CAPITALS))
+        return f"What is the capital of {country}?", f"The capital of {country} is {_CAPITALS[country]}."
+    if kind == 1:
+        word = rng.choice(list(_OPPOSITES))
+        return f"What is the opposite of {word}?", f"The opposite of {word} is {_OPPOSITES[word]}."
+    if kind == 2:
+        thing = rng.choice(list(_COLORS))
+        return f"What color is {thing}?", f"{thing[0].upper() + thing[1:]} is {_COLORS[thing]}."
+    a, b = rng.randrange(10), rng.randrange(10)
+    return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+
+
+def make_demo_conversations(n: int = 1200, seed: int = 0) -> list[dict]:
+    """ShareGPT-format records of one to three question/answer turns, some with a system prompt."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        turns = [{"from": "system", "value": _SYSTEM}] if rng.random() < 0.25 else []
+        for _ in range(rng.choice((1, 1, 2, 3))):
+            question, answer = _qa(rng)
+            turns += [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+        records.append({"id": f"demo-{i}", "conversations": turns})
+    return records
+
+
+def train_demo_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A byte-level BPE (so any text encodes) wrapped for transformers, with the demo chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|end|>", chat_template=DEMO_CHAT_TEMPLATE
+    )
+
+
+def write_demo_assets(out_dir: Path = DEMO_DIR) -> None:
+    records = make_demo_conversations()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "conversations.json").write_text(json.dumps(records, indent=1) + "\n")
+    texts = [turn["value"] for record in records for turn in record["conversations"]]
+    train_demo_tokenizer(texts).save_pretrained(out_dir / "tokenizer")
+
+
+if __name__ == "__main__":
+    write_demo_assets()
+    print(f"wrote {DEMO_DIR}")

@@ -1,0 +1,104 @@
+"""The Ray edge: prepare data on the driver, start a TorchTrainer, and adapt Ray's context, checkpoints and
+reports to the Ray-free training loop in raysft.train."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import ray
+import ray.train
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from raysft.config import ScalingConfig as RaysftScaling
+from raysft.config import TrainConfig
+from raysft.data import prepare_store
+from raysft.tokenizer import load_tokenizer
+from raysft.train import Trainer, WorkerContext
+
+# Attempts to (re)start the worker group before giving up, so an unschedulable run fails instead of waiting forever.
+CONTROLLER_FAILURE_LIMIT = 3
+
+
+class ClusterTooSmall(RuntimeError):
+    """The Ray cluster can never place the requested workers."""
+
+
+def train(config: TrainConfig) -> Result:
+    """Tokenize the data (or reuse the store), then train on the Ray cluster in RAY_ADDRESS or a local one.
+
+    Launching again with the same run.name and run.storage_path resumes from the run's latest checkpoint.
+    """
+    tokenizer = load_tokenizer(config.model, config.data.chat_template)
+    store = prepare_store(config.data, tokenizer, config.store_dir)
+    print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
+          flush=True)
+    connect_ray(config.scaling)
+    check_cluster_can_place(config.scaling)
+    s = config.scaling
+    trainer = TorchTrainer(
+        train_loop_per_worker=_train_fn,
+        train_loop_config={"config": config.to_dict(), "store": str(store.path)},
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
+                                     resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}),
+        run_config=RunConfig(
+            name=config.run.name,
+            storage_path=str(Path(config.run.storage_path).expanduser().resolve()),
+            failure_config=FailureConfig(max_failures=s.max_failures, controller_failure_limit=CONTROLLER_FAILURE_LIMIT),
+            checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
+        ),
+    )
+    print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
+    return trainer.fit()
+
+
+def connect_ray(scaling: RaysftScaling) -> None:
+    """Join the cluster in RAY_ADDRESS, or start a local Ray with just enough logical CPUs for the workers."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        ray.init(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+
+
+def check_cluster_can_place(scaling: RaysftScaling) -> None:
+    need = {"CPU": scaling.cpus_per_worker, **({"GPU": 1.0} if scaling.use_gpu else {})}
+    fits = 0
+    for node in ray.nodes():
+        if node.get("Alive"):
+            res = node.get("Resources", {})
+            fits += int(min(res.get(k, 0.0) / v for k, v in need.items()))
+    if fits < scaling.num_workers:
+        raise ClusterTooSmall(
+            f"the Ray cluster fits {fits} workers of {need}, but scaling.num_workers={scaling.num_workers}: "
+            "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
+
+
+def _train_fn(loop_config: dict) -> None:
+    cfg = TrainConfig.from_dict(loop_config["config"])
+    worker = ray_worker_context()
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        Trainer(cfg, Path(loop_config["store"]), None, ray_report, worker).train()
+        return
+    with checkpoint.as_directory() as resume_dir:
+        trainer = Trainer(cfg, Path(loop_config["store"]), Path(resume_dir), ray_report, worker)
+    trainer.train()
+
+
+def ray_worker_context() -> WorkerContext:
+    ctx = ray.train.get_context()
+    return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                         local_world_size=ctx.get_local_world_size(), device=ray.train.torch.get_device())
+
+
+def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int) -> None:
+    if checkpoint_dir is None:
+        ray.train.report(metrics)
+    else:
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
+                         checkpoint_dir_name=f"checkpoint_{step:08d}")

@@ -1,0 +1,107 @@
+"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, in full on rank 0 only.
+
+Every rank builds the model with parameters on the meta device (no memory), shards it and then materializes only
+its own shards. Rank 0 alone builds a real copy (pretrained weights or a seeded initialization) whose full state
+dict is broadcast shard by shard. That keeps one full copy in the job, where the alternative is one per rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from raysft.config import ModelConfig
+
+PRESETS: dict[str, dict] = {
+    # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
+    "demo-tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024),
+    # Architecture of Llama-3.2-1B, for throughput benchmarks.
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The architecture to train: the pretrained directory's, a preset's, or a config file's."""
+    if cfg.path:
+        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+    elif cfg.config in PRESETS:
+        config = LlamaConfig(**PRESETS[cfg.config], vocab_size=len(tokenizer), tie_word_embeddings=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=tokenizer.bos_token_id)
+    else:
+        path = Path(cfg.config).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"model.config: {cfg.config!r} is neither a preset ({', '.join(PRESETS)}) "
+                                    "nor a config.json / model directory")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"model vocab_size {config.vocab_size} < tokenizer size {len(tokenizer)}: "
+                         "token ids would index past the embedding")
+    config.use_cache = False  # training never decodes incrementally
+    return config
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create parameters on the meta device but buffers for real (like accelerate's init_empty_weights with
+    include_buffers=False): RoPE tables are non-persistent buffers that no state dict restores."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def build_meta_model(config: PretrainedConfig, attn_implementation: str) -> nn.Module:
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                dtype=torch.float32)
+
+
+def build_full_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> nn.Module:
+    """A real fp32 copy on CPU: the pretrained weights, or a seeded initialization (same on any topology)."""
+    if cfg.path:
+        return AutoModelForCausalLM.from_pretrained(cfg.path, config=config, local_files_only=True,
+                                                    dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=torch.float32)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the (sharded) meta parameters on `device`, keeping the buffers computed at construction."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
+    """The repeated block class(es) to shard one by one, as the model itself declares them."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    classes = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    if not classes:
+        raise ValueError(f"{type(model).__name__} declares no _no_split_modules: cannot find its decoder layers")
+    return classes
+
+
+def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
+    """Collective: rank 0 builds the full model on CPU and broadcasts it; every rank keeps only its shards."""
+    full_sd = build_full_model(cfg, config, seed).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

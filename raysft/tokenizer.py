@@ -1,0 +1,73 @@
+"""Loading the tokenizer and choosing the chat template that renders training conversations."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from raysft.config import BUILTIN, ModelConfig
+from raysft.demo import DEMO_TOKENIZER
+
+# FastChat's Vicuna v1.1 conversation format, with assistant text marked for the loss mask.
+VICUNA_TEMPLATE = (
+    "{%- if bos_token -%}{{ bos_token }}{%- endif -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{ messages[0]['content'] }}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{{ \"A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions.\" }}"
+    "{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for m in loop_messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ ' USER: ' + m['content'] }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ ' ASSISTANT:' }}{% generation %}{{ ' ' + m['content'] + eos_token }}"
+    "{% endgeneration %}"
+    "{%- else -%}{{ raise_exception('the Vicuna template has no place for role ' + m['role']) }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ ' ASSISTANT:' }}{%- endif -%}"
+)
+
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def resolve_tokenizer_dir(model: ModelConfig) -> Path:
+    name = model.tokenizer or model.path
+    if name == BUILTIN + "demo":
+        return DEMO_TOKENIZER
+    if name.startswith(BUILTIN):
+        raise FileNotFoundError(f"model.tokenizer: unknown builtin {name!r} (known: {BUILTIN}demo)")
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model.tokenizer: {path} is not a directory with a Hugging Face tokenizer")
+    return path
+
+
+def load_tokenizer(model: ModelConfig, chat_template: str = "auto") -> PreTrainedTokenizerBase:
+    """The model's tokenizer with the chat template used for training installed on it.
+
+    local_files_only: nothing is ever fetched from a hub.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_dir(model), local_files_only=True)
+    if not tokenizer.is_fast:
+        raise ValueError(f"{resolve_tokenizer_dir(model)}: a fast tokenizer is needed for assistant masks")
+    if chat_template == "vicuna" or (chat_template == "auto" and not tokenizer.chat_template):
+        tokenizer.chat_template = VICUNA_TEMPLATE
+    elif chat_template != "auto":
+        tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+    if tokenizer.pad_token is None:  # LLaMA tokenizers often have none; padding positions are masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def template_marks_generation(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(_GENERATION_TAG.search(tokenizer.chat_template or ""))
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Changes whenever the token ids or the rendered text of a conversation could change."""
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode())
+    h.update((tokenizer.chat_template or "").encode())
+    h.update(repr(sorted(tokenizer.special_tokens_map.items())).encode())
+    return h.hexdigest()

@@ -1,0 +1,130 @@
+"""The training loop that runs on every worker. It needs torch.distributed, not Ray: Ray is plugged in through
+`report` (progress and checkpoints) and `resume_dir` (the checkpoint to continue from)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from raysft.checkpoint import TrainState, load_full, save_full, tied_parameter_aliases
+from raysft.config import TrainConfig
+from raysft.data import IGNORE_INDEX
+from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
+from raysft.metrics import MetricsLogger
+from raysft.model import build_meta_model, load_initial_weights, load_model_config, materialize
+from raysft.optim import build_lr_scheduler, build_optimizer
+from raysft.parallelize import build_mesh, mesh_shape, parallelize
+from raysft.tokenizer import load_tokenizer
+
+
+class Reporter(Protocol):
+    def __call__(self, metrics: dict, checkpoint_dir: Path | None, step: int) -> None:
+        """Called by every rank at the same steps; checkpoint_dir is set on ranks that wrote files."""
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+
+class Trainer:
+    """Builds the sharded model, optimizer and data on this worker; `train()` runs to cfg.train.max_steps."""
+
+    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, report: Reporter, ctx: WorkerContext):
+        self.cfg, self.ctx, self.report = cfg, ctx, report
+        t = cfg.train
+        torch.manual_seed(t.seed + ctx.rank)  # each rank's own stream (dropout); checkpoints carry it on
+        self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
+        self.hf_config = load_model_config(cfg.model, self.tokenizer)
+        mesh = build_mesh(mesh_shape(cfg.parallel, ctx.world_size, ctx.local_world_size), ctx.device.type)
+
+        # Model: meta → sharded → materialized shards → weights broadcast from rank 0.
+        self.model = build_meta_model(self.hf_config, cfg.model.attn_implementation)
+        self.aliases = tied_parameter_aliases(self.model)
+        parallelize(self.model, mesh, cfg.parallel)
+        materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_lr_scheduler(self.optimizer, t)
+        self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
+        if resume_dir is not None:
+            self.state = load_full(resume_dir, self.model, self.optimizer, self.scheduler, self.aliases)
+            self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir))
+        else:
+            load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
+            self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
+            self.log.event("start", world_size=ctx.world_size)
+
+        self.dataset = TokenizedDataset(store)
+        self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
+
+    def train(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        self.model.train()
+        metrics: dict = {}
+        while self.state.step < t.max_steps:
+            metrics = self.train_step()
+            self.log.step(self.state.step, metrics)
+            if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == t.max_steps:
+                self.save_checkpoint(metrics)
+            elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
+                self.report({**metrics, "step": self.state.step}, None, self.state.step)
+        return {**metrics, "step": self.state.step}
+
+    def train_step(self) -> dict:
+        """One optimizer step over one global batch: forward/backward per micro-batch, clip, step."""
+        t, ctx = self.cfg.train, self.ctx
+        start = time.perf_counter()
+        global_batch = self.sampler.next_batch()
+        # Normalize by the assistant tokens of the whole global batch, so the gradient is the same for any
+        # split into workers and micro-batches (FSDP averages gradients over workers: hence × world size).
+        loss_tokens = max(1, int(self.dataset.num_loss_tokens[global_batch].sum()))
+        micro_batches = rank_micro_batches(global_batch, ctx.rank, ctx.world_size, t.micro_batch_size)
+        loss_sum = torch.zeros((), device=ctx.device)
+        tokens = torch.zeros((), device=ctx.device)
+        for i, indices in enumerate(micro_batches):
+            batch = {k: v.to(ctx.device) for k, v in collate(self.dataset, indices, self.tokenizer.pad_token_id).items()}
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per optimizer step
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                                 ignore_index=IGNORE_INDEX, reduction="sum")
+            (ce * ctx.world_size / loss_tokens).backward()
+            loss_sum += ce.detach()
+            tokens += batch["attention_mask"].sum()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+
+        totals = torch.stack([loss_sum, tokens])
+        dist.all_reduce(totals)
+        return {"loss": totals[0].item() / loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
+                "tokens_per_s": totals[1].item() / (time.perf_counter() - start), "epoch": self.state.cursor.epoch}
+
+    def save_checkpoint(self, metrics: dict) -> None:
+        """Collective: rank 0 writes the full checkpoint to a scratch dir, Ray copies it to storage, scratch goes."""
+        step = self.state.step
+        out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-")) if self.ctx.rank == 0 else None
+        save_full(out, self.model, self.optimizer, self.scheduler, self.state, self.hf_config, self.tokenizer,
+                  self.aliases)
+        try:
+            self.report({**metrics, "step": step}, out, step)
+        finally:
+            if out is not None:
+                shutil.rmtree(out, ignore_errors=True)
+        self.log.event("checkpoint", step=step)

@@ -1,0 +1,54 @@
+import pytest
+
+from raysft.cli import main
+from raysft.config import ConfigError, TrainConfig, load_config
+
+
+def test_defaults_are_the_demo_and_valid():
+    cfg = TrainConfig()
+    assert cfg.parallel.sharding == "FULL_SHARD" and cfg.checkpoint.mode == "full"
+    assert cfg.data.paths == ["builtin:demo"] and cfg.model.config == "demo-tiny"
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: 7\nrun:\n  name: abc\n")
+    cfg = load_config(path, ["train.lr=0.5", "scaling.num_workers=4", "data.paths=[a.json, b.jsonl]",
+                             "parallel.cpu_offload=true"])
+    assert (cfg.train.max_steps, cfg.train.lr, cfg.run.name) == (7, 0.5, "abc")
+    assert cfg.scaling.num_workers == 4 and cfg.data.paths == ["a.json", "b.jsonl"] and cfg.parallel.cpu_offload
+
+
+def test_the_shipped_demo_config_loads():
+    from conftest import REPO
+
+    cfg = load_config(REPO / "jobs" / "configs" / "demo.yaml")
+    assert cfg.scaling.num_workers == 2 and cfg.run.name == "demo"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.max_stepz=3"], "train.max_stepz"),
+    (["nosection.x=1"], "nosection"),
+    (["train.max_steps=abc"], "train.max_steps"),
+    (["train.max_steps=true"], "train.max_steps"),
+    (["parallel.sharding=FULLSHARD"], "parallel.sharding"),
+    (["train.global_batch_size=10"], "train.global_batch_size"),
+    (["train.betas=[0.9]"], "train.betas"),
+    (["checkpoint.every_n_steps=0"], "checkpoint.every_n_steps"),
+    (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing"),
+    (["run.name=a/b"], "run.name"),
+    (["data.paths=notalist"], "data.paths"),
+])
+def test_bad_values_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["train.max_steps=11", "parallel.sharding=NO_SHARD"])
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_cli_config_error_exits_2(capsys):
+    assert main(["train", "--set", "train.max_steps=-1"]) == 2
+    assert "train.max_steps" in capsys.readouterr().err
