@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "export":
-            from raysft.export import export
+            from raysft.hf_export import export
 
             print(f"raysft: exported {export(args.checkpoint_dir, args.out_dir, overwrite=args.force)}")
             return 0
@@ -68,7 +68,7 @@ def _train(config: TrainConfig, export_dir: str | None, prompt: str | None) -> i
         raise RuntimeError(f"run {config.run.name} finished without a checkpoint in {config.run_dir}")
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")
     if export_dir:
-        from raysft.export import export
+        from raysft.hf_export import export
 
         with result.checkpoint.as_directory() as ckpt:
             out = export(ckpt, export_dir, overwrite=True)

@@ -1,5 +1,5 @@
 """The Ray edge: prepare data on the driver, start a TorchTrainer, and adapt Ray's context, checkpoints and
-reports to the Ray-free training loop in raysft.train."""
+reports to the Ray-free training loop in raysft.trainer."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.tokenizer import load_tokenizer
-from raysft.train import Trainer, WorkerContext
+from raysft.trainer import Trainer, WorkerContext
 
 # Attempts to (re)start the worker group before giving up, so an unschedulable run fails instead of waiting forever.
 CONTROLLER_FAILURE_LIMIT = 3

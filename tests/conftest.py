@@ -14,6 +14,28 @@ def ray_cluster(tmp_path_factory):
     """One local Ray per test module (4 logical CPUs: room for 2 workers and a second concurrent task)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    # workers import worker functions from the test modules, so they need tests/ on their path
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}})
     yield
     ray.shutdown()
+
+
+def tiny_config(tmp_path, **sections):
+    """The demo, shrunk to seconds: short sequences, few steps, storage in tmp_path."""
+    from raysft.config import load_config
+
+    overrides = {"data.max_seq_len": 96, "train.max_steps": 20, "train.warmup_steps": 2,
+                 "train.log_every_n_steps": 5, "checkpoint.every_n_steps": 10, "run.name": "t",
+                 "run.storage_path": str(tmp_path / "runs"), **sections}
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def run_workers(fn, loop_config: dict, tmp_path, num_workers: int = 2):
+    """Run `fn` on a plain TorchTrainer (gloo), for tests that need to look inside the workers."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(fn, train_loop_config=loop_config, torch_config=TorchConfig(backend="gloo"),
+                        scaling_config=ScalingConfig(num_workers=num_workers, resources_per_worker={"CPU": 1}),
+                        run_config=RunConfig(name="probe", storage_path=str(tmp_path / "probe_runs"))).fit()

@@ -1,0 +1,53 @@
+"""The console script end to end, as a user runs it: its own local Ray, exit codes, printed paths."""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture
+def env():
+    short = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths must stay short
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    yield {**env, "RAY_TMPDIR": short}
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def raysft(*args, env, cwd=REPO, timeout=600):
+    return subprocess.run([sys.executable, "-m", "raysft", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_train_export_and_prompt_from_the_command_line(tmp_path, env):
+    out = raysft("train", "jobs/configs/demo.yaml", "--set", "train.max_steps=6", "--set", "checkpoint.every_n_steps=3",
+                 "--set", "data.max_seq_len=96", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=cli",
+                 "--export", str(tmp_path / "hf"), "--prompt", "What is 2 plus 3?", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in out.stdout
+    assert "assistant:" in out.stdout and (tmp_path / "hf" / "model.safetensors").is_file()
+
+    again = raysft("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"), env=env)
+    assert again.returncode == 0 and (tmp_path / "hf3" / "config.json").is_file(), again.stderr
+    refused = raysft("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"), env=env)
+    assert refused.returncode == 1 and "not empty" in refused.stderr
+
+
+def test_bad_data_fails_before_training_and_names_file_and_record(tmp_path, env):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   '{"messages": [{"role": "wizard", "content": "hi"}]}\n')
+    out = raysft("train", "--set", f"data.paths=[{bad}]", "--set", f"run.storage_path={tmp_path}", env=env)
+    assert out.returncode == 1
+    assert f"{bad}: record 1: messages[0].role is 'wizard'" in out.stderr
+
+
+def test_export_of_something_that_is_not_a_checkpoint_fails(tmp_path, env):
+    out = raysft("export", str(tmp_path), str(tmp_path / "out"), env=env)
+    assert out.returncode == 1 and "trainer_state.json" in out.stderr
