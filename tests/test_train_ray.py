@@ -68,7 +68,7 @@ def _train_then_probe(loop: dict) -> None:
         save_file({"logits": logits.contiguous()}, loop["out"])
 
 
-def test_exported_model_loads_in_transformers_with_the_trained_logits(tmp_path):
+def test_export_has_the_trained_logits_and_fine_tunes_via_model_path(tmp_path):
     cfg = tiny_config(tmp_path, **{"train.max_steps": 10})
     result = run_workers(_train_then_probe, {"config": cfg.to_dict(), "store": str(store_for(cfg)),
                                              "out": str(tmp_path / "live.safetensors")}, tmp_path)
@@ -81,6 +81,15 @@ def test_exported_model_loads_in_transformers_with_the_trained_logits(tmp_path):
     torch.testing.assert_close(exported, live, rtol=1e-5, atol=1e-5)
     with pytest.raises(FileExistsError):
         raysft.export(result.checkpoint.path, tmp_path / "hf")
+
+    # Fine-tuning from the exported directory starts from its weights (and its tokenizer), not a fresh init:
+    # the first step's loss (computed before the update) is far below that of a from-scratch run.
+    tuned = tiny_config(tmp_path, **{"model.path": str(out), "model.tokenizer": "", "train.max_steps": 2,
+                                     "run.name": "tuned"})
+    raysft.train(tuned)
+    first_loss = {run: next(m["loss"] for m in read_metrics(c.run_dir) if m.get("step") == 1)
+                  for run, c in (("scratch", cfg), ("tuned", tuned))}
+    assert first_loss["tuned"] < first_loss["scratch"] - 1.0, first_loss
 
 
 def _resume_then_save(loop: dict) -> None:
