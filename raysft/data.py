@@ -232,9 +232,14 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     try:
         pq.write_table(table, tmp / "samples.parquet")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if store.exists():  # a store without a valid manifest is debris from an older crash
+        if store.exists() and not manifest_path.is_file():  # debris of a crash before the rename
             shutil.rmtree(store)
         os.replace(tmp, store)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if manifest_path.is_file():  # another process finished the same store first: theirs is identical
+            return StoreInfo(store, table.num_rows, reused=True)
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -24,14 +24,20 @@ class MetricsLogger:
     def event(self, kind: str, **fields) -> None:
         """A non-step record (start, resume, checkpoint), so a reader can tell repeated steps after a resume."""
         self._write({"event": kind, "time": time.time(), **fields})
+        if self.path:
+            self._print(f"raysft: {kind} " + " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def step(self, step: int, metrics: dict) -> None:
         self._write({"step": step, "time": time.time(), **metrics})
         if self.path and (step % self.log_every == 0 or step == self.max_steps):
-            # sys.stdout, not print: Ray Train patches print in workers and would show every line twice
-            sys.stdout.write(f"step {step}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-                             f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s\n")
-            sys.stdout.flush()
+            self._print(f"step {step}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+                        f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s")
+
+    @staticmethod
+    def _print(line: str) -> None:
+        # sys.stdout, not print: Ray Train patches print in workers and would show every line twice
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
     def _write(self, record: dict) -> None:
         if self.path:

@@ -51,3 +51,11 @@ def test_bad_data_fails_before_training_and_names_file_and_record(tmp_path, env)
 def test_export_of_something_that_is_not_a_checkpoint_fails(tmp_path, env):
     out = raysft("export", str(tmp_path), str(tmp_path / "out"), env=env)
     assert out.returncode == 1 and "trainer_state.json" in out.stderr
+
+
+def test_prepare_writes_the_store_once_and_then_reuses_it(tmp_path, env):
+    args = ("prepare", "jobs/configs/demo.yaml", "--set", f"run.storage_path={tmp_path}")
+    first, second = raysft(*args, env=env), raysft(*args, env=env)
+    assert first.returncode == 0 and "(written)" in first.stdout and "'samples': 1200" in first.stdout
+    assert second.returncode == 0 and "(reused)" in second.stdout
+    assert len(list((tmp_path / "datasets").glob("*/samples.parquet"))) == 1
