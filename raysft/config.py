@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,8 +185,6 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
         return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"config key '{key}': union types are not supported")  # pragma: no cover
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
