@@ -46,7 +46,6 @@ def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> P
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"model vocab_size {config.vocab_size} < tokenizer size {len(tokenizer)}: "
                          "token ids would index past the embedding")
-    config.use_cache = False  # training never decodes incrementally
     return config
 
 

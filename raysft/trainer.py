@@ -96,7 +96,8 @@ class Trainer:
         for i, indices in enumerate(micro_batches):
             batch = {k: v.to(ctx.device) for k, v in collate(self.dataset, indices, self.tokenizer.pad_token_id).items()}
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per optimizer step
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                use_cache=False).logits  # no KV cache in training; the exported config keeps it
             ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="sum")
             (ce * ctx.world_size / loss_tokens).backward()

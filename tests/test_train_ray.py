@@ -75,6 +75,7 @@ def test_export_has_the_trained_logits_and_fine_tunes_via_model_path(tmp_path):
     out = raysft.export(result.checkpoint.path, tmp_path / "hf")
     assert not any(n in {p.name for p in out.iterdir()} for n in ("optimizer.safetensors", "trainer_state.json"))
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert model.config.use_cache  # generation from the export uses the KV cache
     with torch.no_grad():
         exported = model(input_ids=PROBE).logits
     live = load_file(tmp_path / "live.safetensors")["logits"]
