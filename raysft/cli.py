@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from raysft.chat import generate_answer
 from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.data import prepare_store, read_manifest
+from raysft.hf_export import export
+from raysft.launch import train
+from raysft.tokenizer import load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "export":
-            from raysft.hf_export import export
-
             print(f"raysft: exported {export(args.checkpoint_dir, args.out_dir, overwrite=args.force)}")
             return 0
         config = load_config(args.config, args.overrides)
@@ -51,9 +53,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _prepare(config: TrainConfig) -> int:
-    from raysft.data import prepare_store, read_manifest
-    from raysft.tokenizer import load_tokenizer
-
     store = prepare_store(config.data, load_tokenizer(config.model, config.data.chat_template), config.store_dir)
     counts = read_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
@@ -61,21 +60,15 @@ def _prepare(config: TrainConfig) -> int:
 
 
 def _train(config: TrainConfig, export_dir: str | None, prompt: str | None) -> int:
-    from raysft.launch import train
-
     result = train(config)
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run.name} finished without a checkpoint in {config.run_dir}")
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")
     if export_dir:
-        from raysft.hf_export import export
-
         with result.checkpoint.as_directory() as ckpt:
             out = export(ckpt, export_dir, overwrite=True)
         print(f"raysft: exported {out}")
         if prompt:
-            from raysft.chat import generate_answer
-
             print(f"user: {prompt}\nassistant: {generate_answer(out, prompt)}")
     return 0
 

@@ -93,7 +93,7 @@ BAD_RECORDS = {
 @pytest.mark.parametrize("reason", BAD_RECORDS)
 def test_bad_record_error_names_file_and_record(tmp_path, tok, reason):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, BAD_RECORDS[reason]])
-    with pytest.raises(DataError, match=rf"d\.jsonl: record 2: ") as e:
+    with pytest.raises(DataError, match=r"d\.jsonl: record 2: ") as e:
         prepare_store(DataConfig(paths=[str(path)]), tok, tmp_path / "store")
     assert "on_bad_record=skip" in str(e.value)
     assert not (tmp_path / "store").exists() or not any((tmp_path / "store").iterdir())
