@@ -4,7 +4,7 @@ Layout of a checkpoint directory (an HF model directory plus the training state 
   config.json, model.safetensors, tokenizer files   loadable by transformers as they are
   optimizer.safetensors, optimizer.json             AdamW state by parameter name, and the param groups
   rng.safetensors                                    every rank's torch RNG state
-  trainer_state.json                                 step, data cursor, LR scheduler, world size
+  trainer_state.json                                 step, data cursor, LR scheduler, loss scaler, world size
 Tensors live in safetensors and everything else in JSON: loading a checkpoint never unpickles anything.
 """
 
@@ -64,6 +64,7 @@ def save_full(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
     state: TrainState,
     hf_config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase,
@@ -97,6 +98,7 @@ def save_full(
         "step": state.step,
         "cursor": state.cursor.state_dict(),
         "scheduler": scheduler.state_dict(),
+        "loss_scaler": scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
     }, indent=1))
 
@@ -117,6 +119,7 @@ def load_full(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
     aliases: dict[str, str],
 ) -> TrainState:
     """Collective: rank 0 reads the files and broadcasts; the other ranks receive only their shards."""
@@ -131,6 +134,8 @@ def load_full(
     set_model_state_dict(model, model_sd, options=_BROADCAST)
     set_optimizer_state_dict(model, optimizer, optim_sd, options=_BROADCAST)
     scheduler.load_state_dict(state["scheduler"])
+    if scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16 starts fresh
+        scaler.load_state_dict(state["loss_scaler"])
     _restore_rng_state(ckpt_dir, same_world=state["world_size"] == dist.get_world_size())
     return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
 

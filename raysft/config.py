@@ -74,9 +74,15 @@ class ParallelConfig:
     hsdp_shard_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes workers per node from Ray (wrong when logical nodes share an IP)."""
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute dtype; parameters and optimizer state stay fp32. fp16 turns on dynamic loss scaling."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of the gradient reduce-scatter / all-reduce."""
+    fp16_init_scale: float = 2.0**16
+    """Initial loss scale for fp16; halved on every overflow (the step is skipped), doubled after 2000 clean steps."""
     activation_checkpointing: str = "none"
-    """"none", "full", or an integer k as a string: checkpoint every k-th decoder layer."""
+    """"none", "full", or an integer k: checkpoint every k-th decoder layer (non-reentrant)."""
     cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
 
 
 @dataclass
@@ -130,7 +136,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return _build(cls, data, prefix="")
 
 
@@ -165,7 +171,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known in this section: {', '.join(sorted(names))})")
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' "
+                          f"(known in this section: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in data.items():
         key = prefix + name
@@ -180,7 +187,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in typing.get_args(tp):
             raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(str, typing.get_args(tp)))}")
         return value
-    if origin in (list, typing.List):
+    if origin in (list, list):
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
@@ -189,11 +196,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
+        str: isinstance(value, (str, int)) and not isinstance(value, bool),  # YAML reads `2` as an int
     }[tp]
     if not ok:
         raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {value!r} ({type(value).__name__})")
-    return float(value) if tp is float else value
+    return float(value) if tp is float else str(value) if tp is str else value
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -218,17 +225,40 @@ def validate(cfg: TrainConfig) -> None:
     _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", f"must be two values in [0, 1), got {t.betas}")
+    _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
+             f"must be two values in [0, 1), got {t.betas}")
     _require(t.log_every_n_steps > 0, "train.log_every_n_steps", f"must be > 0, got {t.log_every_n_steps}")
     _require(t.report_every_n_steps >= 0, "train.report_every_n_steps", f"must be >= 0, got {t.report_every_n_steps}")
     _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
-    _require(p.hsdp_shard_size >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {p.hsdp_shard_size}")
+    _validate_parallel(p, s.num_workers)
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
              f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")
-    _require(bool(cfg.model.path or cfg.model.config), "model.config", "set model.path (fine-tune) or model.config (from scratch)")
-    _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer", "no tokenizer: set model.tokenizer or model.path")
-    _require(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name", f"must be a non-empty name without '/', got {cfg.run.name!r}")
+    _require(bool(cfg.model.path or cfg.model.config), "model.config",
+             "set model.path (fine-tune) or model.config (from scratch)")
+    _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer",
+             "no tokenizer: set model.tokenizer or model.path")
+    _require(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name",
+             f"must be a non-empty name without '/', got {cfg.run.name!r}")
+
+
+def _validate_parallel(p: ParallelConfig, num_workers: int) -> None:
+    """What can be checked before Ray places the workers; the node layout is checked in the workers."""
+    _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
+    shard = p.hsdp_shard_size
+    _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
+    if p.sharding != "HYBRID_SHARD":
+        _require(shard == 0, "parallel.hsdp_shard_size", f"applies to HYBRID_SHARD only (sharding is {p.sharding})")
+        return
+    _require(num_workers >= 4, "parallel.sharding",
+             f"HYBRID_SHARD needs at least 4 workers (2 replicas of a shard group of 2 or more), got "
+             f"scaling.num_workers={num_workers}; use FULL_SHARD")
+    if shard:
+        _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
+                 f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
+        _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
+                 f"shard-group size {shard} of {num_workers} workers leaves "
+                 f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")

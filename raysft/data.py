@@ -15,9 +15,10 @@ import os
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -63,7 +64,8 @@ def read_records(path: Path) -> Iterator[tuple[int, Any]]:
                 try:
                     yield index, json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield index, BadRecord("invalid_json", f"line {lineno} is not valid JSON: {e.msg} (column {e.colno})")
+                    yield index, BadRecord("invalid_json",
+                                           f"line {lineno} is not valid JSON: {e.msg} (column {e.colno})")
                 index += 1
         return
     try:
@@ -101,7 +103,8 @@ def to_messages(record: Any) -> list[dict[str, str]]:
             raise BadRecord("unknown_role", f"{where}.{role_key} is {role!r}; known roles: {', '.join(ROLES)}")
         content = turn.get(content_key)
         if not isinstance(content, str):
-            raise BadRecord("non_string_content", f"{where}.{content_key} must be a string, got {type(content).__name__}")
+            raise BadRecord("non_string_content",
+                            f"{where}.{content_key} must be a string, got {type(content).__name__}")
         messages.append({"role": ROLES[role], "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant_turn", f"'{field}' has no assistant turn to learn from")
@@ -124,14 +127,15 @@ def tokenize_messages(
         raise
     except Exception as e:  # jinja's raise_exception and friends: the template rejects this conversation
         raise BadRecord("template_error", f"the chat template failed: {e}") from e
-    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, mask)]
+    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, mask, strict=True)]
     return input_ids[:max_seq_len], labels[:max_seq_len]
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> list[int]:
     if not messages and not add_generation_prompt:
         return []
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                        add_generation_prompt=add_generation_prompt)
     return list(out["input_ids"])
 
 
@@ -206,7 +210,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
                 skipped[e.reason] += 1
                 continue
             truncated += len(input_ids) == cfg.max_seq_len
-            for name, value in zip(columns, (input_ids, labels, num_loss_tokens, str(source), index)):
+            for name, value in zip(columns, (input_ids, labels, num_loss_tokens, str(source), index), strict=True):
                 columns[name].append(value)
     if not columns["input_ids"]:
         raise DataError(f"no usable records in {', '.join(map(str, sources))} (skipped: {dict(skipped)})")

@@ -27,7 +27,7 @@ class DataCursor:
         return asdict(self)
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> "DataCursor":
+    def from_state_dict(cls, state: dict) -> DataCursor:
         return cls(**state)
 
 
@@ -51,7 +51,8 @@ class GlobalBatchSampler:
 
     def __init__(self, num_samples: int, global_batch_size: int, cursor: DataCursor):
         if num_samples < global_batch_size:
-            raise ValueError(f"the data has {num_samples} samples, fewer than train.global_batch_size={global_batch_size}")
+            raise ValueError(f"the data has {num_samples} samples, "
+                             f"fewer than train.global_batch_size={global_batch_size}")
         self.num_samples, self.global_batch_size, self.cursor = num_samples, global_batch_size, cursor
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 

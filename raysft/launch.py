@@ -43,11 +43,12 @@ def train(config: TrainConfig) -> Result:
         train_loop_config={"config": config.to_dict(), "store": str(store.path)},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
-                                     resources_per_worker={"CPU": s.cpus_per_worker, **({"GPU": 1} if s.use_gpu else {})}),
+                                     resources_per_worker=worker_resources(s)),
         run_config=RunConfig(
             name=config.run.name,
             storage_path=str(Path(config.run.storage_path).expanduser().resolve()),
-            failure_config=FailureConfig(max_failures=s.max_failures, controller_failure_limit=CONTROLLER_FAILURE_LIMIT),
+            failure_config=FailureConfig(max_failures=s.max_failures,
+                                         controller_failure_limit=CONTROLLER_FAILURE_LIMIT),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
         ),
     )
@@ -65,8 +66,12 @@ def connect_ray(scaling: RaysftScaling) -> None:
         ray.init(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
 
 
+def worker_resources(scaling: RaysftScaling) -> dict[str, float]:
+    return {"CPU": scaling.cpus_per_worker, **({"GPU": 1.0} if scaling.use_gpu else {})}
+
+
 def check_cluster_can_place(scaling: RaysftScaling) -> None:
-    need = {"CPU": scaling.cpus_per_worker, **({"GPU": 1.0} if scaling.use_gpu else {})}
+    need = worker_resources(scaling)
     fits = 0
     for node in ray.nodes():
         if node.get("Alive"):
@@ -93,7 +98,8 @@ def _train_fn(loop_config: dict) -> None:
 def ray_worker_context() -> WorkerContext:
     ctx = ray.train.get_context()
     return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                         local_world_size=ctx.get_local_world_size(), device=ray.train.torch.get_device())
+                         local_world_size=ctx.get_local_world_size(), device=ray.train.torch.get_device(),
+                         node_rank=ctx.get_node_rank())
 
 
 def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int) -> None:

@@ -6,9 +6,12 @@ ray.train.report is a slow barrier, so per-step numbers are written here and Ray
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -31,7 +34,9 @@ class MetricsLogger:
         self._write({"step": step, "time": time.time(), **metrics})
         if self.path and (step % self.log_every == 0 or step == self.max_steps):
             self._print(f"step {step}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-                        f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s")
+                        f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s | "
+                        f"peak mem {metrics['peak_mem_gb']:.2f} GiB"
+                        + (f" | loss scale {metrics['loss_scale']:g}" if "loss_scale" in metrics else ""))
 
     @staticmethod
     def _print(line: str) -> None:
@@ -48,3 +53,10 @@ class MetricsLogger:
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this worker: the CUDA caching allocator's peak, or on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB

@@ -7,9 +7,9 @@ dict is broadcast shard by shard. That keeps one full copy in the job, where the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

@@ -9,13 +9,17 @@ PyTorch's FSDP1 names map onto FSDP2 as follows; all four use the same `fully_sh
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from raysft.config import ConfigError, ParallelConfig
 from raysft.model import decoder_layer_classes
@@ -39,21 +43,49 @@ class MeshShape:
         return ("shard",) if self.replicate == 1 else ("replicate", "shard")
 
 
-def mesh_shape(cfg: ParallelConfig, world_size: int, local_world_size: int) -> MeshShape:
+def mesh_shape(cfg: ParallelConfig, node_ranks: Sequence[int]) -> MeshShape:
+    """The mesh for `cfg.sharding`, given every worker's node rank in world-rank order (Ray groups each node's
+    workers under consecutive ranks). Raises ConfigError before any model is built."""
+    world_size = len(node_ranks)
     if cfg.sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
         return MeshShape(1, world_size)
     if cfg.sharding == "NO_SHARD":
         return MeshShape(world_size, 1)
-    shard = cfg.hsdp_shard_size or local_world_size
-    if world_size % shard:
-        raise ConfigError(f"config key 'parallel.hsdp_shard_size': HYBRID_SHARD shard size {shard} does not divide "
-                          f"the world size {world_size}")
-    if shard == world_size or shard == 1:
-        raise ConfigError(
-            f"config key 'parallel.sharding': HYBRID_SHARD with shard size {shard} on {world_size} workers has "
-            f"{'nothing to replicate' if shard == world_size else 'nothing to shard'}; use "
-            f"{'FULL_SHARD' if shard == world_size else 'NO_SHARD'} or set parallel.hsdp_shard_size")
-    return MeshShape(world_size // shard, shard)
+    if cfg.hsdp_shard_size:  # explicit shard-group size: consecutive ranks, wherever they run
+        shard = cfg.hsdp_shard_size
+        if world_size % shard:
+            raise ConfigError(f"config key 'parallel.hsdp_shard_size': shard-group size {shard} does not divide "
+                              f"the world size {world_size}")
+        return MeshShape(world_size // shard, shard)
+    return MeshShape(*_replicas_and_workers_per_node(node_ranks))
+
+
+def _replicas_and_workers_per_node(node_ranks: Sequence[int]) -> tuple[int, int]:
+    per_node = Counter(node_ranks)
+    layout = ", ".join(f"node {n}: {c}" for n, c in sorted(per_node.items()))
+    hint = "set parallel.hsdp_shard_size to the shard-group size"
+    if list(node_ranks) != sorted(node_ranks):
+        raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD needs each node's workers on consecutive "
+                          f"ranks, got node ranks {list(node_ranks)}; {hint}")
+    if len(set(per_node.values())) > 1:
+        raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD needs the same number of workers on every "
+                          f"node, Ray placed {layout}; {hint} or place the workers evenly")
+    nodes, shard = len(per_node), len(node_ranks) // len(per_node)
+    if nodes == 1:
+        raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD on one node ({layout}) has nothing to "
+                          f"replicate across nodes (logical nodes on one host share an IP and count as one); "
+                          f"{hint} or use FULL_SHARD")
+    if shard == 1:
+        raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD with one worker per node ({layout}) has "
+                          f"nothing to shard inside a node; {hint} or use NO_SHARD")
+    return nodes, shard
+
+
+def gather_node_ranks(node_rank: int, device: torch.device) -> list[int]:
+    """Collective: every worker's node rank, in world-rank order."""
+    ranks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(ranks, torch.tensor([node_rank], dtype=torch.int64, device=device))
+    return [int(r.item()) for r in ranks]
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
@@ -71,20 +103,31 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.M
         every = 1 if cfg.activation_checkpointing == "full" else int(cfg.activation_checkpointing)
         for i, (parent, name, child) in enumerate(layers):
             if i % every == 0:
-                wrapped = checkpoint_wrapper(child, preserve_rng_state=True)
+                wrapped = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                             preserve_rng_state=True)
                 parent.register_module(name, wrapped)
                 layers[i] = (parent, name, wrapped)
 
-    # 2. FSDP2: params stored in fp32, compute in the chosen dtype, gradients reduced in fp32.
+    # 2. FSDP2: params stored in fp32, compute in the chosen dtype, gradients reduced in reduce_dtype.
     fsdp_kwargs = dict(
         mesh=mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32),
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.mixed_precision], reduce_dtype=DTYPES[cfg.reduce_dtype]),
         reshard_after_forward=cfg.sharding != "SHARD_GRAD_OP",
     )
     if cfg.cpu_offload:
-        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
-    for _, _, layer in layers:
-        fully_shard(layer, **fsdp_kwargs)
+        # pinned host memory speeds up host-device copies; there is no such thing without an accelerator
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+    for i, (_, _, layer) in enumerate(layers):
+        # the last layer's backward comes right after its forward: resharding it would only all-gather it again
+        reshard = fsdp_kwargs["reshard_after_forward"] and i < len(layers) - 1
+        fully_shard(layer, **{**fsdp_kwargs, "reshard_after_forward": reshard})
     # 3. The root holds what is left: embeddings, final norm, LM head (kept together so tied weights stay tied).
     fully_shard(model, **fsdp_kwargs)
     return model
+
+
+def build_loss_scaler(cfg: ParallelConfig, device: torch.device) -> ShardedGradScaler:
+    """Dynamic loss scaling for fp16 (its 5-bit exponent underflows small gradients); a pass-through otherwise.
+    The sharded scaler all-reduces the overflow flag, so every rank skips the same steps."""
+    return ShardedGradScaler(device=device.type, init_scale=cfg.fp16_init_scale,
+                             enabled=cfg.mixed_precision == "fp16")

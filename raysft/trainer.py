@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,10 +20,10 @@ from raysft.checkpoint import TrainState, load_full, save_full, tied_parameter_a
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
-from raysft.metrics import MetricsLogger
+from raysft.metrics import MetricsLogger, peak_memory_gb
 from raysft.model import build_meta_model, load_initial_weights, load_model_config, materialize
 from raysft.optim import build_lr_scheduler, build_optimizer
-from raysft.parallelize import build_mesh, mesh_shape, parallelize
+from raysft.parallelize import build_loss_scaler, build_mesh, gather_node_ranks, mesh_shape, parallelize
 from raysft.tokenizer import load_tokenizer
 
 
@@ -37,6 +38,7 @@ class WorkerContext:
     world_size: int
     local_world_size: int
     device: torch.device
+    node_rank: int = 0
 
 
 class Trainer:
@@ -45,21 +47,24 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, report: Reporter, ctx: WorkerContext):
         self.cfg, self.ctx, self.report = cfg, ctx, report
         t = cfg.train
+        # The mesh first: a layout that cannot work fails before anything is built.
+        self.mesh = build_mesh(mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device)),
+                               ctx.device.type)
         torch.manual_seed(t.seed + ctx.rank)  # each rank's own stream (dropout); checkpoints carry it on
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
         self.hf_config = load_model_config(cfg.model, self.tokenizer)
-        mesh = build_mesh(mesh_shape(cfg.parallel, ctx.world_size, ctx.local_world_size), ctx.device.type)
 
         # Model: meta → sharded → materialized shards → weights broadcast from rank 0.
         self.model = build_meta_model(self.hf_config, cfg.model.attn_implementation)
         self.aliases = tied_parameter_aliases(self.model)
-        parallelize(self.model, mesh, cfg.parallel)
+        parallelize(self.model, self.mesh, cfg.parallel)
         materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
+        self.scaler = build_loss_scaler(cfg.parallel, ctx.device)
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         if resume_dir is not None:
-            self.state = load_full(resume_dir, self.model, self.optimizer, self.scheduler, self.aliases)
+            self.state = load_full(resume_dir, self.model, self.optimizer, self.scheduler, self.scaler, self.aliases)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir))
         else:
             load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
@@ -94,38 +99,51 @@ class Trainer:
         loss_sum = torch.zeros((), device=ctx.device)
         tokens = torch.zeros((), device=ctx.device)
         for i, indices in enumerate(micro_batches):
-            batch = {k: v.to(ctx.device) for k, v in collate(self.dataset, indices, self.tokenizer.pad_token_id).items()}
+            batch = collate(self.dataset, indices, self.tokenizer.pad_token_id)
+            batch = {k: v.to(ctx.device) for k, v in batch.items()}
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per optimizer step
             logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                 use_cache=False).logits  # no KV cache in training; the exported config keeps it
             ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="sum")
-            (ce * ctx.world_size / loss_tokens).backward()
+            self.scaler.scale(ce * ctx.world_size / loss_tokens).backward()
             loss_sum += ce.detach()
             tokens += batch["attention_mask"].sum()
+        loss_scale = self.scaler.get_scale()
+        with warnings.catch_warnings():  # the scaler's found-inf flag meets DTensor grads: harmless notice
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            self.scaler.unscale_(self.optimizer)  # true gradients before clipping (a no-op unless fp16)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed on any rank
+        self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
 
         totals = torch.stack([loss_sum, tokens])
         dist.all_reduce(totals)
-        return {"loss": totals[0].item() / loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
-                "tokens_per_s": totals[1].item() / (time.perf_counter() - start), "epoch": self.state.cursor.epoch}
+        peak_mem = torch.tensor(peak_memory_gb(ctx.device), device=ctx.device)
+        dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
+        metrics = {"loss": totals[0].item() / loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
+                   "tokens_per_s": totals[1].item() / (time.perf_counter() - start), "epoch": self.state.cursor.epoch,
+                   "peak_mem_gb": round(peak_mem.item(), 4)}
+        if self.scaler.is_enabled():
+            metrics.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)
+        return metrics
 
     def save_checkpoint(self, metrics: dict) -> None:
         """Collective: rank 0 writes the full checkpoint to a scratch dir, Ray copies it to storage, scratch goes."""
         step = self.state.step
         out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-")) if self.ctx.rank == 0 else None
-        save_full(out, self.model, self.optimizer, self.scheduler, self.state, self.hf_config, self.tokenizer,
-                  self.aliases)
+        save_full(out, self.model, self.optimizer, self.scheduler, self.scaler, self.state, self.hf_config,
+                  self.tokenizer, self.aliases)
         try:
             self.report({**metrics, "step": step}, out, step)
         finally:
             if out is not None:
                 shutil.rmtree(out, ignore_errors=True)
         self.log.event("checkpoint", step=step)
+

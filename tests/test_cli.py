@@ -7,7 +7,6 @@ import sys
 import tempfile
 
 import pytest
-
 from conftest import REPO
 
 

@@ -2,8 +2,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import SHARED_DATASETS
+
 from raysft.config import DataConfig, ModelConfig
 from raysft.data import IGNORE_INDEX, DataError, prepare_store, read_manifest, to_messages, tokenize_messages
 from raysft.demo import DEMO_CHAT_TEMPLATE
@@ -32,14 +32,15 @@ def test_labels_cover_exactly_every_assistant_turn(tok):
     assert len(ids) == len(labels)
     assert assistant_text(tok, labels) == "2 plus 3 is 5.<|end|>The capital of Peru is Lima.<|end|>"
     # everything else, system and user text included, is masked
-    masked = tok.decode([t for t, l in zip(ids, labels) if l == IGNORE_INDEX])
+    masked = tok.decode([t for t, label in zip(ids, labels, strict=True) if label == IGNORE_INDEX])
     assert "Be brief." in masked and "What is 2 plus 3?" in masked and "Lima" not in masked
 
 
 def test_sharegpt_and_openai_formats_tokenize_identically(tok):
     openai = {"messages": [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
                             "content": t["value"]} for t in CONV]}
-    assert tokenize_messages(tok, to_messages(openai), 512) == tokenize_messages(tok, to_messages({"conversations": CONV}), 512)
+    sharegpt = {"conversations": CONV}
+    assert tokenize_messages(tok, to_messages(openai), 512) == tokenize_messages(tok, to_messages(sharegpt), 512)
 
 
 def test_truncation_keeps_the_start(tok):

@@ -1,29 +1,57 @@
+"""Mesh shapes and the layout errors raised before any model is built (pure functions: no processes)."""
+
 import pytest
 
-from raysft.config import ConfigError, ParallelConfig
+from raysft.config import ConfigError, ParallelConfig, load_config
 from raysft.parallelize import MeshShape, mesh_shape
 
 
-@pytest.mark.parametrize("sharding, world, local, shard_size, expected", [
-    ("FULL_SHARD", 4, 4, 0, MeshShape(1, 4)),
-    ("SHARD_GRAD_OP", 2, 2, 0, MeshShape(1, 2)),
-    ("NO_SHARD", 4, 4, 0, MeshShape(4, 1)),
-    ("HYBRID_SHARD", 8, 4, 0, MeshShape(2, 4)),   # nodes × workers per node, from Ray
-    ("HYBRID_SHARD", 4, 4, 2, MeshShape(2, 2)),   # logical nodes on one IP: explicit shard size
+@pytest.mark.parametrize("sharding, node_ranks, shard_size, expected", [
+    ("FULL_SHARD", [0, 0, 1, 1], 0, MeshShape(1, 4)),
+    ("SHARD_GRAD_OP", [0, 0], 0, MeshShape(1, 2)),
+    ("NO_SHARD", [0, 0, 1, 1], 0, MeshShape(4, 1)),
+    ("HYBRID_SHARD", [0, 0, 0, 0, 1, 1, 1, 1], 0, MeshShape(2, 4)),  # nodes × workers per node, from Ray
+    ("HYBRID_SHARD", [0, 0, 1, 1, 2, 2], 0, MeshShape(3, 2)),
+    ("HYBRID_SHARD", [0, 0, 0, 0], 2, MeshShape(2, 2)),              # logical nodes on one IP: explicit size
+    ("HYBRID_SHARD", [0, 0, 0, 0, 1, 1, 1, 1], 2, MeshShape(4, 2)),  # explicit size beats the node layout
 ])
-def test_mesh_shapes(sharding, world, local, shard_size, expected):
-    assert mesh_shape(ParallelConfig(sharding=sharding, hsdp_shard_size=shard_size), world, local) == expected
+def test_mesh_shapes(sharding, node_ranks, shard_size, expected):
+    assert mesh_shape(ParallelConfig(sharding=sharding, hsdp_shard_size=shard_size), node_ranks) == expected
 
 
-@pytest.mark.parametrize("world, local, shard_size, message", [
-    (6, 6, 4, "does not divide"),
-    (4, 4, 0, "nothing to replicate"),
-    (4, 4, 1, "nothing to shard"),
+@pytest.mark.parametrize("node_ranks, message", [
+    ([0, 0, 0, 0], "nothing to replicate"),
+    ([0, 1, 2, 3], "nothing to shard"),
+    ([0, 0, 0, 1, 1, 1, 1, 1], "same number of workers on every node, Ray placed node 0: 3, node 1: 5"),
+    ([0, 1, 0, 1], "consecutive ranks"),
 ])
-def test_hybrid_shard_mesh_errors_name_the_key(world, local, shard_size, message):
+def test_hybrid_shard_layout_errors_name_the_key_and_the_fix(node_ranks, message):
     with pytest.raises(ConfigError, match=message) as e:
-        mesh_shape(ParallelConfig(sharding="HYBRID_SHARD", hsdp_shard_size=shard_size), world, local)
-    assert "parallel." in str(e.value)
+        mesh_shape(ParallelConfig(sharding="HYBRID_SHARD"), node_ranks)
+    assert "parallel.sharding" in str(e.value) and "parallel.hsdp_shard_size" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    ({"parallel.hsdp_shard_size": 4, "scaling.num_workers": 6}, "parallel.hsdp_shard_size", "does not divide"),
+    ({"parallel.hsdp_shard_size": 4}, "parallel.hsdp_shard_size", "nothing to replicate"),
+    ({"parallel.hsdp_shard_size": 1}, "parallel.hsdp_shard_size", "nothing to shard"),
+    ({"scaling.num_workers": 2}, "parallel.sharding", "at least 4 workers"),
+])
+def test_hybrid_shard_config_errors_on_the_driver(overrides, key, message):
+    sets = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.global_batch_size": 24,
+            "train.micro_batch_size": 1, **overrides}
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    assert f"'{key}'" in str(e.value)
+
+
+def test_shard_size_for_another_strategy_is_an_error():
+    with pytest.raises(ConfigError, match="applies to HYBRID_SHARD only"):
+        load_config(None, ["parallel.hsdp_shard_size=2"])
+
+
+def test_activation_checkpointing_accepts_an_integer_from_yaml():
+    assert load_config(None, ["parallel.activation_checkpointing=2"]).parallel.activation_checkpointing == "2"
 
 
 def test_mesh_dimension_names():

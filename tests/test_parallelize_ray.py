@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import save_file, load_file
+from conftest import run_workers, tiny_config
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from conftest import run_workers, tiny_config
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate
@@ -37,7 +37,8 @@ def _train_each_variant(loop: dict) -> None:
         trainer.train()
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if ctx.rank == 0:
-            save_file({k: v.contiguous() for k, v in weights.items()}, Path(loop["out"]) / f"{cfg.run.name}.safetensors")
+            out = Path(loop["out"]) / f"{cfg.run.name}.safetensors"
+            save_file({k: v.contiguous() for k, v in weights.items()}, out)
         dist.barrier()
 
 
@@ -75,9 +76,10 @@ def test_all_strategies_match_a_single_process_reference(tmp_path):
     for sharding, ac in VARIANTS:
         name = f"{sharding}-{ac}"
         losses = [m["loss"] for m in read_metrics(cfg.run_dir.parent / name) if "loss" in m]
-        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} losses: {m}")
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name} losses: {m}")
         weights = load_file(tmp_path / f"{name}.safetensors")
         assert weights.keys() == ref_weights.keys()
         for key, value in weights.items():
             torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{name} {key}: {m}")
+                                       msg=lambda m, name=name, key=key: f"{name} {key}: {m}")

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_workers, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import raysft
-from conftest import run_workers, tiny_config
 from raysft.checkpoint import save_full
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
@@ -97,8 +97,8 @@ def _resume_then_save(loop: dict) -> None:
     cfg = TrainConfig.from_dict(loop["config"])
     trainer = Trainer(cfg, Path(loop["store"]), Path(loop["resume"]), ray_report, ray_worker_context())
     out = Path(loop["out"]) if trainer.ctx.rank == 0 else None
-    save_full(out, trainer.model, trainer.optimizer, trainer.scheduler, trainer.state, trainer.hf_config,
-              trainer.tokenizer, trainer.aliases)
+    save_full(out, trainer.model, trainer.optimizer, trainer.scheduler, trainer.scaler, trainer.state,
+              trainer.hf_config, trainer.tokenizer, trainer.aliases)
 
 
 def test_resume_restores_model_optimizer_schedule_cursor_and_rng(tmp_path):
