@@ -9,11 +9,11 @@ from pathlib import Path
 
 import ray
 import ray.train
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
-from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer, WorkerContext
@@ -53,7 +53,13 @@ def train(config: TrainConfig) -> Result:
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
-    return trainer.fit()
+    try:
+        return trainer.fit()
+    except WorkerGroupError as e:  # a layout the workers found unusable is a config error, not a crash
+        config_errors = [x for x in e.worker_failures.values() if isinstance(x, ConfigError)]
+        if config_errors:
+            raise config_errors[0] from e
+        raise
 
 
 def connect_ray(scaling: RaysftScaling) -> None:
@@ -98,8 +104,7 @@ def _train_fn(loop_config: dict) -> None:
 def ray_worker_context() -> WorkerContext:
     ctx = ray.train.get_context()
     return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                         local_world_size=ctx.get_local_world_size(), device=ray.train.torch.get_device(),
-                         node_rank=ctx.get_node_rank())
+                         device=ray.train.torch.get_device(), node_rank=ctx.get_node_rank())
 
 
 def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int) -> None:

@@ -36,9 +36,9 @@ class Reporter(Protocol):
 class WorkerContext:
     rank: int
     world_size: int
-    local_world_size: int
     device: torch.device
     node_rank: int = 0
+    """The worker's node (Ray numbers nodes by IP); HYBRID_SHARD derives its mesh from every worker's."""
 
 
 class Trainer:

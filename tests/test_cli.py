@@ -57,3 +57,12 @@ def test_prepare_writes_the_store_once_and_then_reuses_it(tmp_path, env):
     assert first.returncode == 0 and "(written)" in first.stdout and "'samples': 1200" in first.stdout
     assert second.returncode == 0 and "(reused)" in second.stdout
     assert len(list((tmp_path / "datasets").glob("*/samples.parquet"))) == 1
+
+
+def test_an_impossible_mesh_is_a_config_error_before_anything_runs(tmp_path, env):
+    out = raysft("train", "--set", "parallel.sharding=HYBRID_SHARD", "--set", "parallel.hsdp_shard_size=3",
+                 "--set", "scaling.num_workers=4", "--set", "train.micro_batch_size=1",
+                 "--set", f"run.storage_path={tmp_path}", env=env)
+    assert out.returncode == 2
+    assert "config error: config key 'parallel.hsdp_shard_size': shard-group size 3 does not divide" in out.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import raysft
-from raysft.config import TrainConfig
+from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import ray_worker_context
 from raysft.tokenizer import load_tokenizer
@@ -79,6 +79,6 @@ def test_hybrid_shard_without_shard_size_on_logical_nodes_is_a_clear_error(tmp_p
     """Logical nodes share an IP, so Ray reports one node of 4 workers: nothing to replicate across."""
     cfg = tiny_config(tmp_path, **{"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4,
                                    "train.micro_batch_size": 2})
-    with pytest.raises(Exception, match="HYBRID_SHARD on one node .*node 0: 4.* set parallel.hsdp_shard_size"):
+    with pytest.raises(ConfigError, match="HYBRID_SHARD on one node .*node 0: 4.* set parallel.hsdp_shard_size"):
         raysft.train(cfg)
     assert not list(cfg.run_dir.glob("checkpoint_*/"))
