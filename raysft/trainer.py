@@ -146,4 +146,3 @@ class Trainer:
             if out is not None:
                 shutil.rmtree(out, ignore_errors=True)
         self.log.event("checkpoint", step=step)
-
