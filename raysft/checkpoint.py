@@ -1,29 +1,40 @@
-"""Rank-0-full checkpoints: the whole training state, gathered to rank 0's CPU and written as plain files.
+"""Checkpoints of the whole training state, in one of two layouts, each made complete by a manifest written last.
 
-Layout of a checkpoint directory (an HF model directory plus the training state beside it):
-  config.json, model.safetensors, tokenizer files   loadable by transformers as they are
-  optimizer.safetensors, optimizer.json             AdamW state by parameter name, and the param groups
-  rng.safetensors                                    every rank's torch RNG state
-  trainer_state.json                                 step, data cursor, LR scheduler, loss scaler, world size
-Tensors live in safetensors and everything else in JSON: loading a checkpoint never unpickles anything.
+full     rank 0 gathers everything to its CPU and writes plain files; the directory is an HF model directory:
+           config.json, model.safetensors, tokenizer files      loadable by transformers as they are
+           optimizer.safetensors, optimizer.json                AdamW state by parameter name, and the param groups
+sharded  every worker writes its own shards with torch.distributed.checkpoint (DCP): `__<rank>_0.distcp`, plus
+         `.metadata` from rank 0; replicated tensors (HSDP) are written once. Config and tokenizer come along so
+         the checkpoint exports on its own.
+Both:    rng.safetensors (every rank's RNG), trainer_state.json (step, data cursor, LR schedule, loss scale,
+         world size), and manifest.json: every file's size and sha256, written by rank 0 after all ranks have
+         written theirs. A directory without a manifest that matches its files is incomplete and never loaded.
+
+Either layout loads on any number of workers and any sharding strategy (broadcast from rank 0, or DCP
+resharding), and a run may switch modes across a resume. Tensors live in safetensors or DCP files and the rest in
+JSON: loading a checkpoint never unpickles anything.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -31,7 +42,9 @@ from raysft.dataloader import DataCursor
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
-TRAINING_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", "trainer_state.json")
+MANIFEST_FILE = "manifest.json"
+STATE_FILE = "trainer_state.json"
+TRAINING_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", STATE_FILE, MANIFEST_FILE)
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
@@ -44,6 +57,19 @@ class CheckpointError(RuntimeError):
 class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint saves and restores on one worker."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    aliases: dict[str, str]  # tied parameters: {alias: canonical name}
 
 
 def tied_parameter_aliases(model: nn.Module) -> dict[str, str]:
@@ -59,52 +85,49 @@ def tied_parameter_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def save_full(
-    out_dir: Path | None,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    state: TrainState,
-    hf_config: PretrainedConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    aliases: dict[str, str],
-) -> None:
-    """Collective: every rank must call it. Only rank 0 materializes the full state and writes to out_dir."""
-    model_sd = get_model_state_dict(model, options=_GATHER)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=_GATHER)
-    rng = _gather_rng_states()
-    if dist.get_rank() != 0:
-        return
+def save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState) -> bool:
+    """Collective: write this rank's part of a checkpoint into out_dir (a local directory of its own), then rank
+    0 writes the manifest of every rank's files. Returns whether this rank wrote files (Ray uploads those)."""
+    rank = dist.get_rank()
     out_dir.mkdir(parents=True, exist_ok=True)
-    for alias in aliases:
-        model_sd.pop(alias, None)
-    save_file({k: v.contiguous() for k, v in model_sd.items()}, out_dir / MODEL_FILE, metadata={"format": "pt"})
-    hf_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    tensors, scalars = {}, {}
-    for fqn, param_state in optim_sd["state"].items():
-        for key, value in param_state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{fqn}/{key}"] = value.contiguous()
-            else:
-                scalars[f"{fqn}/{key}"] = value
-    save_file(tensors, out_dir / "optimizer.safetensors")
-    (out_dir / "optimizer.json").write_text(json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars}))
-    save_file(rng, out_dir / "rng.safetensors")
-    (out_dir / "trainer_state.json").write_text(json.dumps({
-        "format_version": FORMAT_VERSION,
-        "mode": "full",
-        "step": state.step,
-        "cursor": state.cursor.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "loss_scaler": scaler.state_dict(),  # {} unless fp16
-        "world_size": dist.get_world_size(),
-    }, indent=1))
+    if mode == "full":
+        _save_full(out_dir, objs)
+    else:
+        _save_sharded(out_dir, objs)
+    rng = _gather_rng_states()
+    if rank == 0:
+        objs.hf_config.save_pretrained(out_dir)
+        objs.tokenizer.save_pretrained(out_dir)
+        save_file(rng, out_dir / "rng.safetensors")
+        (out_dir / STATE_FILE).write_text(json.dumps({
+            "format_version": FORMAT_VERSION,
+            "mode": mode,
+            "step": state.step,
+            "cursor": state.cursor.state_dict(),
+            "scheduler": objs.scheduler.state_dict(),
+            "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
+            "world_size": dist.get_world_size(),
+        }, indent=1))
+    _write_manifest(out_dir, state.step)
+    return any(out_dir.iterdir())
+
+
+def load(ckpt_dir: Path, objs: TrainingObjects) -> TrainState:
+    """Collective: restore everything from a complete checkpoint of either mode, on any topology."""
+    state = read_trainer_state(ckpt_dir)
+    if state["mode"] == "full":
+        _load_full(ckpt_dir, objs)
+    else:
+        _load_sharded(ckpt_dir, objs)
+    objs.scheduler.load_state_dict(state["scheduler"])
+    if objs.scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16: fresh
+        objs.scaler.load_state_dict(state["loss_scaler"])
+    _restore_rng_state(ckpt_dir, same_world=state["world_size"] == dist.get_world_size())
+    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict:
-    path = ckpt_dir / "trainer_state.json"
+    path = ckpt_dir / STATE_FILE
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -114,30 +137,59 @@ def read_trainer_state(ckpt_dir: Path) -> dict:
     return state
 
 
-def load_full(
-    ckpt_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    aliases: dict[str, str],
-) -> TrainState:
-    """Collective: rank 0 reads the files and broadcasts; the other ranks receive only their shards."""
-    state = read_trainer_state(ckpt_dir)
+def incomplete_reason(ckpt_dir: Path, checksums: bool = True) -> str | None:
+    """Why ckpt_dir is not a complete checkpoint (None if it is): the manifest is missing or unreadable, or a file
+    it lists is missing, of another size or (with checksums) of other content."""
+    path = ckpt_dir / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST_FILE} (the save did not finish)"
+    except (OSError, json.JSONDecodeError) as e:
+        return f"unreadable {MANIFEST_FILE}: {e}"
+    for name, entry in manifest["files"].items():
+        f = ckpt_dir / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != entry["size"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
+        if checksums and _sha256(f) != entry["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+# --- full: gathered to rank 0 -------------------------------------------------------------------------------------
+
+def _save_full(out_dir: Path, objs: TrainingObjects) -> None:
+    model_sd = get_model_state_dict(objs.model, options=_GATHER)
+    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=_GATHER)
+    if dist.get_rank() != 0:
+        return
+    for alias in objs.aliases:
+        model_sd.pop(alias, None)
+    save_file({k: v.contiguous() for k, v in model_sd.items()}, out_dir / MODEL_FILE, metadata={"format": "pt"})
+    tensors, scalars = {}, {}
+    for fqn, param_state in optim_sd["state"].items():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{fqn}/{key}"] = value.contiguous()
+            else:
+                scalars[f"{fqn}/{key}"] = value
+    save_file(tensors, out_dir / "optimizer.safetensors")
+    (out_dir / "optimizer.json").write_text(json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars}))
+
+
+def _load_full(ckpt_dir: Path, objs: TrainingObjects) -> None:
+    """Rank 0 reads the files and broadcasts; the other ranks receive only their shards."""
     model_sd: dict = {}
     optim_sd: dict = {}
     if dist.get_rank() == 0:
         model_sd = _read_safetensors(ckpt_dir / MODEL_FILE)
-        for alias, canonical in aliases.items():
+        for alias, canonical in objs.aliases.items():
             model_sd[alias] = model_sd[canonical]
         optim_sd = _read_optimizer(ckpt_dir)
-    set_model_state_dict(model, model_sd, options=_BROADCAST)
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=_BROADCAST)
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16 starts fresh
-        scaler.load_state_dict(state["loss_scaler"])
-    _restore_rng_state(ckpt_dir, same_world=state["world_size"] == dist.get_world_size())
-    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
+    set_model_state_dict(objs.model, model_sd, options=_BROADCAST)
+    set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=_BROADCAST)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -156,6 +208,52 @@ def _read_optimizer(ckpt_dir: Path) -> dict:
     for group in meta["param_groups"]:
         group["betas"] = tuple(group["betas"])
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# --- sharded: torch.distributed.checkpoint ------------------------------------------------------------------------
+
+def _save_sharded(out_dir: Path, objs: TrainingObjects) -> None:
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
+    # each rank writes __<rank>_0.distcp into its own directory; the planner writes a replicated tensor once
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir)
+
+
+def _load_sharded(ckpt_dir: Path, objs: TrainingObjects) -> None:
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)  # this topology's shards, to be filled
+    try:
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir)
+    except Exception as e:  # DCP wraps per-rank failures; name the directory
+        raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {e}") from e
+    set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+# --- manifest and RNG ---------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_manifest(out_dir: Path, step: int) -> None:
+    """Collective: each rank hashes the files it wrote, rank 0 writes them all into the manifest, last."""
+    mine = {str(f.relative_to(out_dir)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(out_dir.rglob("*")) if f.is_file()}
+    everyone: list[dict] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if everyone is None:
+        return
+    files: dict[str, dict] = {}
+    for rank, part in enumerate(everyone):
+        for name, entry in part.items():
+            if name in files:
+                raise CheckpointError(f"{out_dir}: rank {rank} also wrote {name}; Ray would keep only one of them")
+            files[name] = entry
+    tmp = out_dir / f".{MANIFEST_FILE}.tmp"
+    tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+    tmp.rename(out_dir / MANIFEST_FILE)
 
 
 def _device() -> torch.device:

@@ -8,7 +8,7 @@ import sys
 from raysft.chat import generate_answer
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest
-from raysft.hf_export import export
+from raysft.hf_export import DEFAULT_SHARD_BYTES, export
 from raysft.launch import train
 from raysft.tokenizer import load_tokenizer
 
@@ -32,13 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("checkpoint_dir")
     p_export.add_argument("out_dir")
     p_export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p_export.add_argument("--max-shard-mb", type=int, default=DEFAULT_SHARD_BYTES // 2**20,
+                          help="largest safetensors shard; more weights than this are split with an index")
     args = parser.parse_args(argv)
     if getattr(args, "prompt", None) and not args.export:
         parser.error("--prompt needs --export DIR")
 
     try:
         if args.command == "export":
-            print(f"raysft: exported {export(args.checkpoint_dir, args.out_dir, overwrite=args.force)}")
+            out = export(args.checkpoint_dir, args.out_dir, overwrite=args.force,
+                         max_shard_bytes=args.max_shard_mb * 2**20)
+            print(f"raysft: exported {out}")
             return 0
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":

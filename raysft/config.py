@@ -49,6 +49,9 @@ class DataConfig:
 @dataclass
 class TrainLoopConfig:
     max_steps: int = 300
+    """Length of the run: the LR schedule and the data order are laid out for this many optimizer steps."""
+    stop_at_step: int = 0
+    """If set, checkpoint at this step and exit (time-boxed jobs); launching again without it continues."""
     seed: int = 0
     global_batch_size: int = 16
     """Samples per optimizer step over all workers; gradient accumulation makes up the difference."""
@@ -87,8 +90,9 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    mode: Literal["full"] = "full"
-    """"full": rank 0 gathers the whole state to CPU and writes HF safetensors."""
+    mode: Literal["full", "sharded"] = "full"
+    """"full": rank 0 gathers the whole state to CPU and writes HF safetensors. "sharded": every worker writes
+    its own shards (torch.distributed.checkpoint). Either resumes on any worker count and sharding strategy."""
     every_n_steps: int = 100
     keep: int = 2
     """Checkpoints kept by Ray (num_to_keep); the latest is never deleted."""
@@ -212,6 +216,8 @@ def validate(cfg: TrainConfig) -> None:
     """Cross-field checks that need more than one value; type checks happen while loading."""
     t, s, c, p, d = cfg.train, cfg.scaling, cfg.checkpoint, cfg.parallel, cfg.data
     _require(t.max_steps > 0, "train.max_steps", f"must be > 0, got {t.max_steps}")
+    _require(0 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
+             f"must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
     _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
     _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
     _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")

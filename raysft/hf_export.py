@@ -1,33 +1,53 @@
-"""Turning a checkpoint into a Hugging Face model directory that AutoModelForCausalLM.from_pretrained loads."""
+"""Turning a checkpoint (full or sharded) into a Hugging Face model directory for AutoModelForCausalLM.
+
+Weights are streamed: tensors are read one safetensors shard at a time (at most `max_shard_bytes` in memory), from
+the full checkpoint's model.safetensors or from the DCP shards of a sharded one, so exporting never needs the
+whole model in one process.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from raysft.checkpoint import MODEL_FILE, TRAINING_FILES, CheckpointError, read_trainer_state
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from raysft.checkpoint import MODEL_FILE, TRAINING_FILES, CheckpointError, incomplete_reason, read_trainer_state
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
-def export(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Copy the model, config and tokenizer of a full checkpoint, leaving the training state behind.
+def export(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write config, tokenizer and weights (safetensors, sharded with an index above max_shard_bytes).
 
     The directory appears complete or not at all (written beside it, then renamed); an existing non-empty
     directory is only replaced with overwrite=True.
     """
     ckpt, out = Path(checkpoint_dir), Path(out_dir).expanduser().resolve()
-    read_trainer_state(ckpt)  # a raysft checkpoint of a format we know, or a clear error
-    if not (ckpt / MODEL_FILE).is_file():
-        raise CheckpointError(f"{ckpt}: no {MODEL_FILE}")
+    mode = read_trainer_state(ckpt)["mode"]  # a raysft checkpoint of a format we know, or a clear error
+    reason = incomplete_reason(ckpt)
+    if reason:
+        raise CheckpointError(f"{ckpt}: incomplete checkpoint: {reason}")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        for f in ckpt.iterdir():
-            if f.is_file() and f.name not in TRAINING_FILES:
+        for f in ckpt.iterdir():  # config, generation config, tokenizer: whatever is not weights or training state
+            if f.is_file() and f.name not in TRAINING_FILES and f.name != MODEL_FILE and not _is_dcp_file(f):
                 shutil.copy2(f, tmp / f.name)
+        weights = _FullWeights(ckpt) if mode == "full" else _ShardedWeights(ckpt)
+        _write_shards(weights, tmp, max_shard_bytes)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -35,3 +55,69 @@ def export(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, overwr
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+class _FullWeights:
+    """Tensors of a full checkpoint's model.safetensors, read lazily."""
+
+    def __init__(self, ckpt: Path):
+        self.path = ckpt / MODEL_FILE
+        with safe_open(self.path, framework="pt") as f:
+            self.sizes = {name: _nbytes(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        with safe_open(self.path, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in names}
+
+
+class _ShardedWeights:
+    """Model tensors of a DCP checkpoint, each assembled from the shards of every rank that wrote a piece."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt = ckpt
+        metadata = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+        self.meta = {key.removeprefix("model."): m for key, m in metadata.items()
+                     if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        self.sizes = {name: m.size.numel() * m.properties.dtype.itemsize for name, m in self.meta.items()}
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}
+        dcp.load({"model": tensors}, checkpoint_id=self.ckpt, no_dist=True)
+        return tensors
+
+
+def _write_shards(weights: _FullWeights | _ShardedWeights, out: Path, max_shard_bytes: int) -> None:
+    """Group tensors into shards of at most max_shard_bytes (a bigger tensor gets its own), read and write one shard
+    at a time, and name and index them the way transformers' save_pretrained does."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in weights.sizes.items():
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if not groups[0]:
+        raise CheckpointError("the checkpoint holds no model weights")
+    names = [MODEL_FILE] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for group, file_name in zip(groups, names, strict=True):
+        tensors = weights.load(group)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out / file_name, metadata={"format": "pt"})
+        del tensors
+    if len(groups) > 1:
+        weight_map = {name: file_name for group, file_name in zip(groups, names, strict=True) for name in group}
+        (out / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": sum(weights.sizes.values())}, "weight_map": weight_map}, indent=2))
+
+
+def _is_dcp_file(f: Path) -> bool:
+    return f.name == ".metadata" or f.suffix == ".distcp"
+
+
+def _nbytes(tensor_slice) -> int:
+    numel = 1
+    for d in tensor_slice.get_shape():
+        numel *= d
+    itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+    return numel * itemsize[tensor_slice.get_dtype()]

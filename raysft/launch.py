@@ -3,21 +3,25 @@ reports to the Ray-free training loop in raysft.trainer."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
 
 import ray
 import ray.train
+import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, WorkerGroupError
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raysft.checkpoint import incomplete_reason
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.data import prepare_store
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer, WorkerContext
 
+CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
 # Attempts to (re)start the worker group before giving up, so an unschedulable run fails instead of waiting forever.
 CONTROLLER_FAILURE_LIMIT = 3
 
@@ -92,13 +96,36 @@ def check_cluster_can_place(scaling: RaysftScaling) -> None:
 def _train_fn(loop_config: dict) -> None:
     cfg = TrainConfig.from_dict(loop_config["config"])
     worker = ray_worker_context()
+    store = Path(loop_config["store"])
+    report = functools.partial(ray_report, taken=existing_checkpoint_names(cfg.run_dir, worker.rank))
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        Trainer(cfg, Path(loop_config["store"]), None, ray_report, worker).train()
+        Trainer(cfg, store, None, report, worker).train()
         return
-    with checkpoint.as_directory() as resume_dir:
-        trainer = Trainer(cfg, Path(loop_config["store"]), Path(resume_dir), ray_report, worker)
+    with checkpoint.as_directory() as latest:
+        resume_dir, skipped = choose_resume_dir(Path(latest), worker.rank)
+        trainer = Trainer(cfg, store, resume_dir, report, worker)
+    for path, reason in skipped:
+        trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
     trainer.train()
+
+
+def choose_resume_dir(latest: Path, rank: int) -> tuple[Path | None, list[tuple[str, str]]]:
+    """Collective: the newest complete checkpoint, starting from the one Ray registered last and going back
+    through the older ones beside it, and the (path, reason) of each incomplete one skipped. Rank 0 checks sizes
+    and checksums against each manifest; None if no checkpoint is complete (the run starts over)."""
+    result: list = [None, []]
+    if rank == 0:
+        older = sorted((p for p in latest.parent.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name < latest.name),
+                       reverse=True)
+        for candidate in [latest, *older]:
+            reason = incomplete_reason(candidate)
+            if reason is None:
+                result[0] = str(candidate)
+                break
+            result[1].append((str(candidate), reason))
+    dist.broadcast_object_list(result, src=0)
+    return (Path(result[0]) if result[0] else None), result[1]
 
 
 def ray_worker_context() -> WorkerContext:
@@ -107,9 +134,27 @@ def ray_worker_context() -> WorkerContext:
                          device=ray.train.torch.get_device(), node_rank=ctx.get_node_rank())
 
 
-def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int) -> None:
+def existing_checkpoint_names(run_dir: Path, rank: int) -> frozenset[str]:
+    """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
+    names = [sorted(p.name for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir()) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    return frozenset(names[0])
+
+
+def checkpoint_name(step: int, taken: frozenset[str] = frozenset()) -> str:
+    """checkpoint_<step, 8 digits>; a step saved again after resuming from an older checkpoint gets .1, .2, ...
+    (Ray would merge it into the old directory, and pruning one entry would delete both)."""
+    name = base = f"{CHECKPOINT_PREFIX}{step:08d}"
+    n = 0
+    while name in taken:
+        n += 1
+        name = f"{base}.{n}"
+    return name
+
+
+def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset()) -> None:
     if checkpoint_dir is None:
         ray.train.report(metrics)
     else:
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
-                         checkpoint_dir_name=f"checkpoint_{step:08d}")
+                         checkpoint_dir_name=checkpoint_name(step, taken))

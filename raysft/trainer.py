@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import TrainState, load_full, save_full, tied_parameter_aliases
+from raysft.checkpoint import TrainingObjects, TrainState, load, save, tied_parameter_aliases
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
@@ -62,9 +62,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.scaler = build_loss_scaler(cfg.parallel, ctx.device)
+        self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
+                                    self.tokenizer, self.aliases)
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         if resume_dir is not None:
-            self.state = load_full(resume_dir, self.model, self.optimizer, self.scheduler, self.scaler, self.aliases)
+            self.state = load(resume_dir, self.objs)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir))
         else:
             load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
@@ -78,13 +80,17 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.model.train()
         metrics: dict = {}
-        while self.state.step < t.max_steps:
+        stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
+        while self.state.step < stop:
             metrics = self.train_step()
             self.log.step(self.state.step, metrics)
-            if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == t.max_steps:
+            if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == stop:
                 self.save_checkpoint(metrics)
             elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
                 self.report({**metrics, "step": self.state.step}, None, self.state.step)
+        if self.state.step < t.max_steps:
+            self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
+                           hint="launch again without train.stop_at_step to continue")
         return {**metrics, "step": self.state.step}
 
     def train_step(self) -> dict:
@@ -135,14 +141,13 @@ class Trainer:
         return metrics
 
     def save_checkpoint(self, metrics: dict) -> None:
-        """Collective: rank 0 writes the full checkpoint to a scratch dir, Ray copies it to storage, scratch goes."""
+        """Collective: each rank writes its part to a scratch dir, Ray copies the parts into one checkpoint
+        directory in storage, the scratch dirs go."""
         step = self.state.step
-        out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-")) if self.ctx.rank == 0 else None
-        save_full(out, self.model, self.optimizer, self.scheduler, self.scaler, self.state, self.hf_config,
-                  self.tokenizer, self.aliases)
+        out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-"))
         try:
-            self.report({**metrics, "step": step}, out, step)
+            wrote = save(out, self.cfg.checkpoint.mode, self.objs, self.state)
+            self.report({**metrics, "step": step}, out if wrote else None, step)
         finally:
-            if out is not None:
-                shutil.rmtree(out, ignore_errors=True)
-        self.log.event("checkpoint", step=step)
+            shutil.rmtree(out, ignore_errors=True)
+        self.log.event("checkpoint", step=step, mode=self.cfg.checkpoint.mode)

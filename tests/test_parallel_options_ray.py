@@ -9,7 +9,7 @@ from conftest import run_workers, tiny_config
 from torch.distributed.fsdp import FSDPModule
 from transformers import MistralConfig, Qwen2Config
 
-from raysft.checkpoint import save_full
+from raysft.checkpoint import save
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import ray_worker_context
@@ -40,11 +40,9 @@ def _train_variants(loop: dict) -> None:
         if ctx.rank == 0:
             (Path(loop["out"]) / f"{name}.json").write_text(json.dumps({"sharded": sharded}))
         if name == "fp16":  # the loss scale is part of the checkpoint
-            out = Path(loop["out"]) / "fp16-ckpt" if ctx.rank == 0 else None
-            save_full(out, trainer.model, trainer.optimizer, trainer.scheduler, trainer.scaler, trainer.state,
-                      trainer.hf_config, trainer.tokenizer, trainer.aliases)
+            save(Path(loop["out"]) / f"fp16-ckpt{ctx.rank}", "full", trainer.objs, trainer.state)  # all on rank 0
             dist.barrier()
-            resumed = Trainer(cfg, Path(loop["store"]), Path(loop["out"]) / "fp16-ckpt", lambda *a: None, ctx)
+            resumed = Trainer(cfg, Path(loop["store"]), Path(loop["out"]) / "fp16-ckpt0", lambda *a: None, ctx)
             assert resumed.scaler.get_scale() == trainer.scaler.get_scale()
         dist.barrier()
 

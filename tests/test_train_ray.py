@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import save_full
+from raysft.checkpoint import save
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import ClusterTooSmall, ray_report, ray_worker_context
@@ -96,18 +96,16 @@ def test_export_has_the_trained_logits_and_fine_tunes_via_model_path(tmp_path):
 def _resume_then_save(loop: dict) -> None:
     cfg = TrainConfig.from_dict(loop["config"])
     trainer = Trainer(cfg, Path(loop["store"]), Path(loop["resume"]), ray_report, ray_worker_context())
-    out = Path(loop["out"]) if trainer.ctx.rank == 0 else None
-    save_full(out, trainer.model, trainer.optimizer, trainer.scheduler, trainer.scaler, trainer.state,
-              trainer.hf_config, trainer.tokenizer, trainer.aliases)
+    save(Path(loop["out"]) / f"rank{trainer.ctx.rank}", "full", trainer.objs, trainer.state)
 
 
 def test_resume_restores_model_optimizer_schedule_cursor_and_rng(tmp_path):
     cfg = tiny_config(tmp_path, **{"train.max_steps": 10, "checkpoint.every_n_steps": 5})
     raysft.train(cfg)
     saved = cfg.run_dir / "checkpoint_00000005"
-    resaved = tmp_path / "resaved"
+    resaved = tmp_path / "resaved" / "rank0"  # a full checkpoint is all on rank 0
     run_workers(_resume_then_save, {"config": cfg.to_dict(), "store": str(store_for(cfg)), "resume": str(saved),
-                                    "out": str(resaved)}, tmp_path)
+                                    "out": str(resaved.parent)}, tmp_path)
     for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
         a, b = load_file(saved / name), load_file(resaved / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -1,0 +1,135 @@
+"""Checkpoints through real Ray Train: full and sharded, exact resume, stop_at_step, elastic resume across worker
+counts, strategies and modes, incomplete checkpoints, streaming export."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import raysft
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError
+from raysft.hf_export import INDEX_FILE
+from raysft.metrics import read_metrics
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+STEPS = 12
+
+
+def config(tmp_path, name, **sets):
+    return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "run.name": name,
+                                    "train.log_every_n_steps": 100, **sets})
+
+
+def step_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
+
+
+def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tensor]:
+    raysft.export(checkpoint, out, **kw)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory):
+    """The reference: 12 steps on 2 workers in one go."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = config(tmp, "reference")
+    result = raysft.train(cfg)
+    return step_losses(cfg.run_dir), exported_weights(Path(result.checkpoint.path), tmp / "hf")
+
+
+@pytest.mark.parametrize("mode", ["full", "sharded"])
+def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, uninterrupted, mode):
+    ref_losses, ref_weights = uninterrupted
+    first = config(tmp_path, "resumed", **{"checkpoint.mode": mode, "train.stop_at_step": 5})
+    raysft.train(first)
+    events = [m for m in read_metrics(first.run_dir) if m.get("event") == "stop"]
+    assert len(events) == 1 and events[0]["step"] == 5
+    assert sorted(p.name for p in first.run_dir.glob("checkpoint_*") if p.is_dir()) == \
+        ["checkpoint_00000003", "checkpoint_00000005"]
+    ckpt = first.run_dir / "checkpoint_00000005"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["mode"] == mode and state["scheduler"]["last_epoch"] == 5  # the schedule is still 12 steps long
+    if mode == "sharded":  # every worker wrote its own shard; the manifest lists them all
+        files = json.loads((ckpt / MANIFEST_FILE).read_text())["files"]
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.json", "rng.safetensors"} <= set(files)
+        assert not (ckpt / "model.safetensors").exists()
+
+    result = raysft.train(config(tmp_path, "resumed", **{"checkpoint.mode": mode}))
+    assert step_losses(first.run_dir) == ref_losses  # same floats, steps 1..12 each once
+    weights = exported_weights(Path(result.checkpoint.path), tmp_path / "hf")
+    assert weights.keys() == ref_weights.keys()
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, uninterrupted):
+    """4 → 2 → 4 → 2 workers, four strategies, sharded → sharded → full → sharded: the global batch, and so the
+    samples and optimizer steps, stay the same; only the reduction order (float rounding) changes."""
+    ref_losses, ref_weights = uninterrupted
+    legs = [
+        {"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD", "parallel.hsdp_shard_size": 2,
+         "checkpoint.mode": "sharded", "train.stop_at_step": 3},
+        {"scaling.num_workers": 2, "parallel.sharding": "FULL_SHARD", "checkpoint.mode": "sharded",
+         "train.stop_at_step": 6},   # sharded, written by 4 workers, read by 2
+        {"scaling.num_workers": 4, "parallel.sharding": "NO_SHARD", "checkpoint.mode": "full",
+         "train.stop_at_step": 9},   # sharded by 2 → 4 workers; saves full
+        {"scaling.num_workers": 2, "parallel.sharding": "SHARD_GRAD_OP",
+         "checkpoint.mode": "sharded"},  # full → sharded
+    ]
+    for sets in legs:
+        cfg = config(tmp_path, "elastic", **{"train.micro_batch_size": 2, "checkpoint.keep": 9, **sets})
+        result = raysft.train(cfg)
+    # HSDP's two replicas hold the same values: together they wrote each tensor once (weights + 2 AdamW moments)
+    hsdp = cfg.run_dir / "checkpoint_00000003"
+    written = sum(f.stat().st_size for f in hsdp.glob("__*_0.distcp"))
+    once = 3 * 4 * sum(v.numel() for v in ref_weights.values())
+    assert len(list(hsdp.glob("__*_0.distcp"))) == 4 and once <= written < 1.05 * once, (written, once)
+    resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
+    assert [r["step"] for r in resumes] == [3, 6, 9]
+    losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    torch.testing.assert_close([v for _, v in losses], [v for _, v in ref_losses], rtol=1e-4, atol=1e-5)
+    weights = exported_weights(Path(result.checkpoint.path), tmp_path / "hf")
+    for key, value in weights.items():
+        torch.testing.assert_close(value, ref_weights[key], rtol=1e-3, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path):
+    first = config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6, "checkpoint.keep": 9})
+    raysft.train(first)
+    torn = first.run_dir / "checkpoint_00000006"
+    shard = torn / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-7])  # a shard cut short, as by a dying upload
+    with pytest.raises(CheckpointError, match="__1_0.distcp has .* bytes, the manifest says"):
+        raysft.export(torn, tmp_path / "never")
+
+    raysft.train(config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
+                                             "checkpoint.keep": 9}))
+    records = read_metrics(first.run_dir)
+    skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
+    assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(torn) and "__1_0.distcp" in skipped[0]["reason"]
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [3]
+    # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one
+    assert sorted(p.name for p in first.run_dir.glob("checkpoint_*") if p.is_dir()) == \
+        ["checkpoint_00000003", "checkpoint_00000006", "checkpoint_00000006.1", "checkpoint_00000007"]
+
+
+def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path):
+    """A sharded checkpoint exported in shards of at most 1 MiB: safetensors shards + index, same weights."""
+    cfg = config(tmp_path, "shards", **{"checkpoint.mode": "sharded", "train.max_steps": 3})
+    result = raysft.train(cfg)
+    out = raysft.export(result.checkpoint.path, tmp_path / "hf", max_shard_bytes=2**20)
+    index = json.loads((out / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((out / s).stat().st_size <= 2**20 + 2**16 for s in shards)
+    assert not any(p.suffix == ".distcp" or p.name in ("trainer_state.json", MANIFEST_FILE) for p in out.iterdir())
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    merged = {}
+    for s in shards:
+        merged.update(load_file(out / s))
+    assert set(merged) == set(model.state_dict())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in merged.items())
