@@ -17,8 +17,10 @@ JSON: loading a checkpoint never unpickles anything.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,17 +87,45 @@ def tied_parameter_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState) -> bool:
-    """Collective: write this rank's part of a checkpoint into out_dir (a local directory of its own), then rank
-    0 writes the manifest of every rank's files. Returns whether this rank wrote files (Ray uploads those)."""
-    rank = dist.get_rank()
+class PendingSave:
+    """A checkpoint whose files may still be being written in the background. `finish` is collective: it waits,
+    makes sure every rank succeeded (a background failure is raised on all ranks, never lost) and then writes the
+    manifest that makes the checkpoint complete."""
+
+    def __init__(self, out_dir: Path, step: int, future: Future):
+        self.out_dir, self.step, self.future = out_dir, step, future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def finish(self) -> bool:
+        """Returns whether this rank wrote files (Ray uploads those)."""
+        error = None
+        try:
+            self.future.result()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+        failed = torch.tensor([0 if error is None else 1], device=_device())
+        dist.all_reduce(failed)
+        if failed.item():
+            raise CheckpointError(f"{self.out_dir}: writing the checkpoint of step {self.step} failed on "
+                                  f"{failed.item()} rank(s){f': {error}' if error else ''}") from error
+        _write_manifest(self.out_dir, self.step)
+        return any(self.out_dir.iterdir())
+
+
+def start_save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
+               asynchronous: bool = False) -> PendingSave:
+    """Collective: snapshot this rank's part of the training state and write it into out_dir (a local directory of
+    this rank's own). With asynchronous, the writing happens in the background and training may go on; either
+    way, call `finish()` on the result, on every rank, before the checkpoint is used."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "full":
-        _save_full(out_dir, objs)
+        future = _save_full(out_dir, objs, asynchronous)
     else:
-        _save_sharded(out_dir, objs)
+        future = _save_sharded(out_dir, objs, asynchronous)
     rng = _gather_rng_states()
-    if rank == 0:
+    if dist.get_rank() == 0:  # small files, written now
         objs.hf_config.save_pretrained(out_dir)
         objs.tokenizer.save_pretrained(out_dir)
         save_file(rng, out_dir / "rng.safetensors")
@@ -108,8 +138,12 @@ def save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState) -> 
             "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
             "world_size": dist.get_world_size(),
         }, indent=1))
-    _write_manifest(out_dir, state.step)
-    return any(out_dir.iterdir())
+    return PendingSave(out_dir, state.step, future)
+
+
+def save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState) -> bool:
+    """Collective, synchronous: write a complete checkpoint part. Returns whether this rank wrote files."""
+    return start_save(out_dir, mode, objs, state).finish()
 
 
 def load(ckpt_dir: Path, objs: TrainingObjects) -> TrainState:
@@ -160,14 +194,14 @@ def incomplete_reason(ckpt_dir: Path, checksums: bool = True) -> str | None:
 
 # --- full: gathered to rank 0 -------------------------------------------------------------------------------------
 
-def _save_full(out_dir: Path, objs: TrainingObjects) -> None:
+def _save_full(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     model_sd = get_model_state_dict(objs.model, options=_GATHER)
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=_GATHER)
     if dist.get_rank() != 0:
-        return
+        return _done()
     for alias in objs.aliases:
         model_sd.pop(alias, None)
-    save_file({k: v.contiguous() for k, v in model_sd.items()}, out_dir / MODEL_FILE, metadata={"format": "pt"})
+    model = {k: v.contiguous() for k, v in model_sd.items()}
     tensors, scalars = {}, {}
     for fqn, param_state in optim_sd["state"].items():
         for key, value in param_state.items():
@@ -175,8 +209,20 @@ def _save_full(out_dir: Path, objs: TrainingObjects) -> None:
                 tensors[f"{fqn}/{key}"] = value.contiguous()
             else:
                 scalars[f"{fqn}/{key}"] = value
-    save_file(tensors, out_dir / "optimizer.safetensors")
-    (out_dir / "optimizer.json").write_text(json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars}))
+    optimizer_json = json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars})
+
+    def write() -> None:
+        save_file(model, out_dir / MODEL_FILE, metadata={"format": "pt"})
+        save_file(tensors, out_dir / "optimizer.safetensors")
+        (out_dir / "optimizer.json").write_text(optimizer_json)
+
+    if not asynchronous:
+        write()
+        return _done()
+    # a gathered tensor may share memory with a live one (a mesh of one shard): copy before training goes on
+    model = {k: v.clone() for k, v in model.items()}
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    return _background().submit(write)
 
 
 def _load_full(ckpt_dir: Path, objs: TrainingObjects) -> None:
@@ -212,10 +258,15 @@ def _read_optimizer(ckpt_dir: Path) -> dict:
 
 # --- sharded: torch.distributed.checkpoint ------------------------------------------------------------------------
 
-def _save_sharded(out_dir: Path, objs: TrainingObjects) -> None:
+def _save_sharded(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
     # each rank writes __<rank>_0.distcp into its own directory; the planner writes a replicated tensor once
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir)
+    if not asynchronous:
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir)
+        return _done()
+    # staged to CPU memory now, written by a background thread that synchronizes over its own gloo group
+    return dcp.async_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir,
+                          process_group=_checkpoint_group())
 
 
 def _load_sharded(ckpt_dir: Path, objs: TrainingObjects) -> None:
@@ -227,7 +278,24 @@ def _load_sharded(ckpt_dir: Path, objs: TrainingObjects) -> None:
     set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
-# --- manifest and RNG ---------------------------------------------------------------------------------------------
+# --- background writing, manifest, RNG -----------------------------------------------------------------------------
+
+@functools.cache
+def _background() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysft-checkpoint")
+
+
+@functools.cache
+def _checkpoint_group() -> dist.ProcessGroup:
+    """Collective on first use: a gloo group for background checkpoint traffic, apart from training's."""
+    return dist.new_group(backend="gloo")
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()

@@ -94,6 +94,9 @@ class CheckpointConfig:
     """"full": rank 0 gathers the whole state to CPU and writes HF safetensors. "sharded": every worker writes
     its own shards (torch.distributed.checkpoint). Either resumes on any worker count and sharding strategy."""
     every_n_steps: int = 100
+    async_save: bool = field(default=False, metadata={"key": "async"})
+    """YAML key `async`: stage the state in memory and write it in the background while training goes on; the
+    checkpoint is reported to Ray once every rank's part is durable."""
     keep: int = 2
     """Checkpoints kept by Ray (num_to_keep); the latest is never deleted."""
 
@@ -137,7 +140,7 @@ class TrainConfig:
         return Path(base).expanduser().resolve()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -172,17 +175,27 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    names = {_key(f): f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
     if unknown:
         raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' "
                           f"(known in this section: {', '.join(sorted(names))})")
     kwargs = {}
     for name, value in data.items():
-        key = prefix + name
-        tp = hints[name]
-        kwargs[name] = _build(tp, value, key + ".") if dataclasses.is_dataclass(tp) else _coerce(tp, value, key)
+        key, tp = prefix + name, hints[names[name]]
+        kwargs[names[name]] = _build(tp, value, key + ".") if dataclasses.is_dataclass(tp) else _coerce(tp, value, key)
     return cls(**kwargs)
+
+
+def _key(f: dataclasses.Field) -> str:
+    """The config key of a field: its name, unless that is a Python keyword (`async`)."""
+    return f.metadata.get("key", f.name)
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return list(obj) if isinstance(obj, list) else obj
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

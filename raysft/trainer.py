@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import TrainingObjects, TrainState, load, save, tied_parameter_aliases
+from raysft.checkpoint import PendingSave, TrainingObjects, TrainState, load, start_save, tied_parameter_aliases
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
@@ -73,6 +73,7 @@ class Trainer:
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
             self.log.event("start", world_size=ctx.world_size)
 
+        self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
         self.dataset = TokenizedDataset(store)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
 
@@ -88,6 +89,9 @@ class Trainer:
                 self.save_checkpoint(metrics)
             elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
                 self.report({**metrics, "step": self.state.step}, None, self.state.step)
+            if self.pending is not None and self._all_ranks(self.pending[0].done()):
+                self.finish_checkpoint()
+        self.finish_checkpoint()
         if self.state.step < t.max_steps:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
@@ -141,13 +145,35 @@ class Trainer:
         return metrics
 
     def save_checkpoint(self, metrics: dict) -> None:
-        """Collective: each rank writes its part to a scratch dir, Ray copies the parts into one checkpoint
-        directory in storage, the scratch dirs go."""
-        step = self.state.step
+        """Collective: each rank writes its part to a scratch dir (in the background with checkpoint.async);
+        once every part is durable, `finish_checkpoint` writes the manifest and reports the checkpoint to Ray,
+        which copies the parts into one directory in storage."""
+        self.finish_checkpoint()  # one save at a time: the previous one must be complete
+        start = time.perf_counter()
         out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-"))
         try:
-            wrote = save(out, self.cfg.checkpoint.mode, self.objs, self.state)
-            self.report({**metrics, "step": step}, out if wrote else None, step)
-        finally:
+            pending = start_save(out, self.cfg.checkpoint.mode, self.objs, self.state, self.cfg.checkpoint.async_save)
+        except BaseException:
             shutil.rmtree(out, ignore_errors=True)
-        self.log.event("checkpoint", step=step, mode=self.cfg.checkpoint.mode)
+            raise
+        self.pending = (pending, {**metrics, "step": self.state.step, "save_blocking_s": time.perf_counter() - start})
+        if not self.cfg.checkpoint.async_save:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """Collective: wait for the pending save (raising if it failed on any rank), then report it to Ray."""
+        if self.pending is None:
+            return
+        (pending, metrics), self.pending = self.pending, None
+        try:
+            wrote = pending.finish()
+            self.report(metrics, pending.out_dir if wrote else None, pending.step)
+        finally:
+            shutil.rmtree(pending.out_dir, ignore_errors=True)
+        self.log.event("checkpoint", step=pending.step, mode=self.cfg.checkpoint.mode,
+                       blocking_s=round(metrics["save_blocking_s"], 3), reported_at_step=self.state.step)
+
+    def _all_ranks(self, flag: bool) -> bool:
+        value = torch.tensor([int(flag)], device=self.ctx.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())

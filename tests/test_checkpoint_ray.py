@@ -2,18 +2,26 @@
 counts, strategies and modes, incomplete checkpoints, streaming export."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
-from safetensors.torch import load_file
+import torch.distributed as dist
+from conftest import run_workers, tiny_config
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
 
 import raysft
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError
+from raysft.config import TrainConfig
+from raysft.data import prepare_store
 from raysft.hf_export import INDEX_FILE
+from raysft.launch import ray_worker_context
 from raysft.metrics import read_metrics
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 STEPS = 12
@@ -42,10 +50,12 @@ def uninterrupted(ray_cluster, tmp_path_factory):
     return step_losses(cfg.run_dir), exported_weights(Path(result.checkpoint.path), tmp / "hf")
 
 
-@pytest.mark.parametrize("mode", ["full", "sharded"])
-def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, uninterrupted, mode):
+@pytest.mark.parametrize("mode, asynchronous", [("full", False), ("sharded", False), ("sharded", True)])
+def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, uninterrupted, mode,
+                                                                            asynchronous):
     ref_losses, ref_weights = uninterrupted
-    first = config(tmp_path, "resumed", **{"checkpoint.mode": mode, "train.stop_at_step": 5})
+    first = config(tmp_path, "resumed", **{"checkpoint.mode": mode, "train.stop_at_step": 5,
+                                           "checkpoint.async": asynchronous})
     raysft.train(first)
     events = [m for m in read_metrics(first.run_dir) if m.get("event") == "stop"]
     assert len(events) == 1 and events[0]["step"] == 5
@@ -59,7 +69,7 @@ def test_a_stopped_and_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_
         assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.json", "rng.safetensors"} <= set(files)
         assert not (ckpt / "model.safetensors").exists()
 
-    result = raysft.train(config(tmp_path, "resumed", **{"checkpoint.mode": mode}))
+    result = raysft.train(config(tmp_path, "resumed", **{"checkpoint.mode": mode, "checkpoint.async": asynchronous}))
     assert step_losses(first.run_dir) == ref_losses  # same floats, steps 1..12 each once
     weights = exported_weights(Path(result.checkpoint.path), tmp_path / "hf")
     assert weights.keys() == ref_weights.keys()
@@ -133,3 +143,68 @@ def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path):
         merged.update(load_file(out / s))
     assert set(merged) == set(model.state_dict())
     assert all(torch.equal(model.state_dict()[k], v) for k, v in merged.items())
+
+
+def _async_saves(loop: dict) -> None:
+    """Async saves hold the state of the step they were asked for while training goes on, and a write that fails
+    in the background fails the save on every rank."""
+    import raysft.checkpoint as ckpt_module
+
+    ctx = ray_worker_context()
+    out = Path(loop["out"])
+    cfg = TrainConfig.from_dict(loop["config"])
+
+    def merge_like_ray(metrics, checkpoint_dir, step):  # what Ray does with every worker's directory
+        if checkpoint_dir is not None:
+            shutil.copytree(checkpoint_dir, out / f"{cfg.checkpoint.mode}-{step}", dirs_exist_ok=True)
+
+    trainer = Trainer(cfg, Path(loop["store"]), None, merge_like_ray, ctx)
+    trainer.model.train()
+    for mode in ("sharded", "full"):
+        cfg.checkpoint.mode = mode
+        metrics = trainer.train_step()
+        expected = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+        if ctx.rank == 0:
+            save_file({k: v.contiguous() for k, v in expected.items()}, out / f"expected-{trainer.state.step}.st")
+        trainer.save_checkpoint(metrics)
+        assert trainer.pending is not None  # still being written
+        trainer.train_step()
+        trainer.train_step()  # the weights move on
+        trainer.finish_checkpoint()
+        dist.barrier()
+
+    original = ckpt_module.save_file
+
+    def failing_save_file(tensors, path, metadata=None):
+        if Path(path).name == "model.safetensors":
+            raise OSError("No space left on device (injected)")
+        return original(tensors, path, metadata=metadata)
+
+    if ctx.rank == 0:
+        ckpt_module.save_file = failing_save_file
+    outcome = "no error"
+    try:
+        trainer.save_checkpoint(trainer.train_step())
+        trainer.train_step()
+        trainer.finish_checkpoint()
+    except CheckpointError as e:
+        outcome = str(e)
+    finally:
+        ckpt_module.save_file = original
+    (out / f"failure-rank{ctx.rank}.txt").write_text(outcome)
+
+
+def test_async_save_keeps_its_step_while_training_goes_on_and_raises_background_failures(tmp_path):
+    cfg = config(tmp_path, "async", **{"checkpoint.async": True})
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    run_workers(_async_saves, {"config": cfg.to_dict(), "store": str(store), "out": str(tmp_path)}, tmp_path)
+    for mode, step in (("sharded", 1), ("full", 4)):
+        expected = load_file(tmp_path / f"expected-{step}.st")
+        weights = exported_weights(tmp_path / f"{mode}-{step}", tmp_path / f"hf-{mode}")
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[k], expected[k]) for k in weights), mode
+    for rank in (0, 1):
+        message = (tmp_path / f"failure-rank{rank}.txt").read_text()
+        assert "writing the checkpoint of step 7 failed on 1 rank(s)" in message, message
+    assert "No space left on device (injected)" in (tmp_path / "failure-rank0.txt").read_text()
