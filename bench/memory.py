@@ -18,43 +18,10 @@ written to the JSON as init_peak_mib.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
-MiB = 2**20
-
-
-class PeakSampler:
-    """Samples a memory reading in a background thread and keeps the largest value seen."""
-
-    def __init__(self, read, interval_s: float = 0.005):
-        self.read, self.interval_s, self.peak = read, interval_s, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.read())
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.read())
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from common import MiB, PeakSampler, Setup, add_model_args, rss_bytes, save_results, write_rank_result
 
 
 def _measure(loop: dict) -> None:
@@ -84,94 +51,46 @@ def _measure(loop: dict) -> None:
         elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(ctx.device) if gpu else process.peak
     tensors = {k: v / MiB for k, v in tracker.get_tracker_snapshot("peak")[ctx.device].items()}
-    # each rank writes its own numbers (a Ray report keeps only rank 0's)
-    out = Path(loop["out"]) / f"{loop['name']}.rank{ctx.rank}.json"
-    out.write_text(json.dumps({"rank": ctx.rank, "peak_tensors_mib": tensors.pop("Total"),
-                               "process_peak_mib": (peak - before_model) / MiB,
-                               "init_peak_mib": (init.peak - before_model) / MiB,
-                               "step_s": elapsed / loop["steps"], "breakdown_mib": tensors}))
+    write_rank_result(loop, ctx.rank, {"peak_tensors_mib": tensors.pop("Total"),
+                                       "process_peak_mib": (peak - before_model) / MiB,
+                                       "init_peak_mib": (init.peak - before_model) / MiB,
+                                       "step_s": elapsed / loop["steps"], "breakdown_mib": tensors})
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", type=int, default=4)
+    add_model_args(parser, workers=4)
     parser.add_argument("--strategies", default="NO_SHARD,FULL_SHARD,SHARD_GRAD_OP,HYBRID_SHARD",
                         help="comma-separated sharding[:activation_checkpointing]; the first is the baseline")
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--cpu-offload", action="store_true")
-    parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--out", default="runs/bench/memory.json")
     args = parser.parse_args(argv)
 
-    import ray
-    import torch
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from raysft.config import load_config
-    from raysft.data import prepare_store
-    from raysft.tokenizer import load_tokenizer
-
-    work = Path(tempfile.mkdtemp(prefix="raysft-bench-memory-"))
-    model_dir = work / "model"
-    common = [f"model.config={model_dir}", f"data.max_seq_len={args.seq_len}", f"run.storage_path={work}",
-              f"scaling.num_workers={args.workers}", f"train.micro_batch_size={args.micro_batch}",
-              f"train.global_batch_size={args.micro_batch * args.workers}",
-              f"parallel.mixed_precision={args.mixed_precision}",
-              f"parallel.cpu_offload={str(args.cpu_offload).lower()}"]
-    base = load_config(None, common)
-    tokenizer = load_tokenizer(base.model, base.data.chat_template)
-    model_config = LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
-        vocab_size=len(tokenizer), tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id)
-    model_config.save_pretrained(model_dir)
-    with torch.device("meta"):
-        args.params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
-    store = prepare_store(base.data, tokenizer, base.store_dir).path
-
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+    setup = Setup(args, "memory")
     results = []
     for item in args.strategies.split(","):
         sharding, _, ac = item.partition(":")
-        sets = [f"parallel.sharding={sharding}", f"parallel.activation_checkpointing={ac or 'none'}"]
+        sets = [f"parallel.sharding={sharding}", f"parallel.activation_checkpointing={ac or 'none'}",
+                f"parallel.mixed_precision={args.mixed_precision}",
+                f"parallel.cpu_offload={str(args.cpu_offload).lower()}"]
         if sharding == "HYBRID_SHARD":  # one host: Ray sees one node, so say how big a shard group is
             sets.append(f"parallel.hsdp_shard_size={args.workers // 2}")
-        cfg = load_config(None, common + sets)
         name = item.replace(":", "-ac")
-        print(f"bench: {name} ...", file=sys.stderr, flush=True)
-        TorchTrainer(_measure, train_loop_config={"config": cfg.to_dict(), "store": str(store), "steps": args.steps,
-                                                  "out": str(work), "name": name},
-                     torch_config=TorchConfig(backend="nccl" if args.gpu else "gloo"),
-                     scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu,
-                                                  resources_per_worker={"CPU": 1}),
-                     run_config=RunConfig(name=f"bench-{name}", storage_path=str(work / "ray"))).fit()
-        ranks = [json.loads((work / f"{name}.rank{r}.json").read_text()) for r in range(args.workers)]
+        ranks = setup.run(_measure, name, {"config": setup.config(*sets).to_dict(), "steps": args.steps})
         top = max(ranks, key=lambda r: r["peak_tensors_mib"])
         results.append({"strategy": name, "breakdown_mib": top["breakdown_mib"], "ranks": ranks,
                         **{k: max(r[k] for r in ranks) for k in ("peak_tensors_mib", "process_peak_mib",
                                                                   "init_peak_mib", "step_s")}})
-    ray.shutdown()
-
-    print(report(results, args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(f"bench: wrote {out}", file=sys.stderr)
+    save_results(args.out, args, results, report(results, args, setup.params))
 
 
-def report(results: list[dict], args: argparse.Namespace) -> str:
+def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
     base = results[0]
     process = "CUDA allocator peak" if args.gpu else "RSS peak"
     lines = [f"peak memory per worker: {args.workers} {'GPU' if args.gpu else 'CPU'} workers, LLaMA of "
-             f"{args.params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers), "
+             f"{params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers), "
              f"{args.mixed_precision}, seq {args.seq_len} × micro-batch {args.micro_batch}, "
              f"largest value over workers, MiB", "",
              f"| strategy | peak tensors | vs {base['strategy']} | params | grads | optimizer | activations + temp "

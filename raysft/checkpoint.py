@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,36 @@ class TrainingObjects:
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     aliases: dict[str, str]  # tied parameters: {alias: canonical name}
+
+
+def choose_mode(mode: str, model: nn.Module) -> str:
+    """Collective for "auto": full while rank 0's host can comfortably hold the gathered fp32 weights and AdamW
+    moments (12 bytes per parameter) beside everything else, sharded beyond. The same answer on every rank."""
+    if mode != "auto":
+        return mode
+    numel = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size, the same on every rank
+    pick = [None]
+    if dist.get_rank() == 0:
+        pick[0] = auto_mode(12 * numel, available_memory_bytes())
+    dist.broadcast_object_list(pick, src=0)
+    return pick[0]
+
+
+def auto_mode(state_bytes: int, available_bytes: int) -> str:
+    """Gathering needs the whole state once on rank 0 (and a copy more with async saves): keep it to a quarter of
+    what the host has available."""
+    return "full" if 4 * state_bytes <= available_bytes else "sharded"
+
+
+def available_memory_bytes() -> int:
+    """What the host can still give this process: MemAvailable on Linux, free pages elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def tied_parameter_aliases(model: nn.Module) -> dict[str, str]:
@@ -297,6 +328,14 @@ def _done() -> Future:
     return future
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -306,9 +345,11 @@ def _sha256(path: Path) -> str:
 
 
 def _write_manifest(out_dir: Path, step: int) -> None:
-    """Collective: each rank hashes the files it wrote, rank 0 writes them all into the manifest, last."""
+    """Collective: each rank flushes and hashes the files it wrote, rank 0 writes them all into the manifest, last."""
     mine = {str(f.relative_to(out_dir)): {"size": f.stat().st_size, "sha256": _sha256(f)}
             for f in sorted(out_dir.rglob("*")) if f.is_file()}
+    for name in mine:
+        _fsync(out_dir / name)
     everyone: list[dict] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if everyone is None:
@@ -321,7 +362,9 @@ def _write_manifest(out_dir: Path, step: int) -> None:
             files[name] = entry
     tmp = out_dir / f".{MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+    _fsync(tmp)
     tmp.rename(out_dir / MANIFEST_FILE)
+    _fsync(out_dir)
 
 
 def _device() -> torch.device:

@@ -90,9 +90,11 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    mode: Literal["full", "sharded"] = "full"
+    mode: Literal["auto", "full", "sharded"] = "auto"
     """"full": rank 0 gathers the whole state to CPU and writes HF safetensors. "sharded": every worker writes
-    its own shards (torch.distributed.checkpoint). Either resumes on any worker count and sharding strategy."""
+    its own shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter)
+    fits 4 times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and
+    sharding strategy."""
     every_n_steps: int = 100
     async_save: bool = field(default=False, metadata={"key": "async"})
     """YAML key `async`: stage the state in memory and write it in the background while training goes on; the

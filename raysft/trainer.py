@@ -16,7 +16,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import PendingSave, TrainingObjects, TrainState, load, start_save, tied_parameter_aliases
+from raysft.checkpoint import (
+    PendingSave,
+    TrainingObjects,
+    TrainState,
+    choose_mode,
+    load,
+    start_save,
+    tied_parameter_aliases,
+)
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
@@ -65,13 +73,14 @@ class Trainer:
         self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
                                     self.tokenizer, self.aliases)
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
+        self.checkpoint_mode = choose_mode(cfg.checkpoint.mode, self.model)
         if resume_dir is not None:
             self.state = load(resume_dir, self.objs)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir))
         else:
             load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
-            self.log.event("start", world_size=ctx.world_size)
+            self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpoint_mode)
 
         self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
         self.dataset = TokenizedDataset(store)
@@ -152,7 +161,7 @@ class Trainer:
         start = time.perf_counter()
         out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-"))
         try:
-            pending = start_save(out, self.cfg.checkpoint.mode, self.objs, self.state, self.cfg.checkpoint.async_save)
+            pending = start_save(out, self.checkpoint_mode, self.objs, self.state, self.cfg.checkpoint.async_save)
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
@@ -170,7 +179,7 @@ class Trainer:
             self.report(metrics, pending.out_dir if wrote else None, pending.step)
         finally:
             shutil.rmtree(pending.out_dir, ignore_errors=True)
-        self.log.event("checkpoint", step=pending.step, mode=self.cfg.checkpoint.mode,
+        self.log.event("checkpoint", step=pending.step, mode=self.checkpoint_mode,
                        blocking_s=round(metrics["save_blocking_s"], 3), reported_at_step=self.state.step)
 
     def _all_ranks(self, flag: bool) -> bool:

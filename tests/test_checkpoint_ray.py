@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, auto_mode
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.hf_export import INDEX_FILE
@@ -45,8 +45,10 @@ def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tenso
 def uninterrupted(ray_cluster, tmp_path_factory):
     """The reference: 12 steps on 2 workers in one go."""
     tmp = tmp_path_factory.mktemp("reference")
-    cfg = config(tmp, "reference")
+    cfg = config(tmp, "reference", **{"checkpoint.mode": "auto"})
     result = raysft.train(cfg)
+    start = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "start")
+    assert start["checkpoint_mode"] == "full"  # auto: a tiny model's state fits rank 0's memory many times
     return step_losses(cfg.run_dir), exported_weights(Path(result.checkpoint.path), tmp / "hf")
 
 
@@ -156,12 +158,12 @@ def _async_saves(loop: dict) -> None:
 
     def merge_like_ray(metrics, checkpoint_dir, step):  # what Ray does with every worker's directory
         if checkpoint_dir is not None:
-            shutil.copytree(checkpoint_dir, out / f"{cfg.checkpoint.mode}-{step}", dirs_exist_ok=True)
+            shutil.copytree(checkpoint_dir, out / f"{trainer.checkpoint_mode}-{step}", dirs_exist_ok=True)
 
     trainer = Trainer(cfg, Path(loop["store"]), None, merge_like_ray, ctx)
     trainer.model.train()
     for mode in ("sharded", "full"):
-        cfg.checkpoint.mode = mode
+        trainer.checkpoint_mode = mode
         metrics = trainer.train_step()
         expected = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
                                                                                 cpu_offload=True))
@@ -208,3 +210,9 @@ def test_async_save_keeps_its_step_while_training_goes_on_and_raises_background_
         message = (tmp_path / f"failure-rank{rank}.txt").read_text()
         assert "writing the checkpoint of step 7 failed on 1 rank(s)" in message, message
     assert "No space left on device (injected)" in (tmp_path / "failure-rank0.txt").read_text()
+
+
+@pytest.mark.parametrize("state_gb, available_gb, mode", [(1, 64, "full"), (16, 64, "full"), (17, 64, "sharded"),
+                                                         (14 * 12, 512, "sharded")])
+def test_auto_mode_gathers_only_what_rank_0_can_hold_four_times(state_gb, available_gb, mode):
+    assert auto_mode(state_gb * 2**30, available_gb * 2**30) == mode

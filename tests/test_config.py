@@ -6,7 +6,7 @@ from raysft.config import ConfigError, TrainConfig, load_config
 
 def test_defaults_are_the_demo_and_valid():
     cfg = TrainConfig()
-    assert cfg.parallel.sharding == "FULL_SHARD" and cfg.checkpoint.mode == "full"
+    assert cfg.parallel.sharding == "FULL_SHARD" and cfg.checkpoint.mode == "auto"
     assert cfg.data.paths == ["builtin:demo"] and cfg.model.config == "demo-tiny"
 
 

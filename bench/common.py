@@ -1,0 +1,118 @@
+"""What the benchmarks share: a LLaMA of a chosen size on the demo data, a local Ray, a worker group that runs one
+function, and memory readings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+MiB = 2**20
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def add_model_args(parser: argparse.ArgumentParser, workers: int) -> None:
+    parser.add_argument("--workers", type=int, default=workers)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--gpu", action="store_true")
+
+
+class Setup:
+    """A scratch directory holding the model config (hidden, layers from args) and the tokenized demo data."""
+
+    def __init__(self, args: argparse.Namespace, name: str):
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from raysft.config import load_config
+        from raysft.data import prepare_store
+        from raysft.tokenizer import load_tokenizer
+
+        self.args = args
+        self.work = Path(tempfile.mkdtemp(prefix=f"raysft-bench-{name}-"))
+        model_dir = self.work / "model"
+        self.common = [f"model.config={model_dir}", f"data.max_seq_len={args.seq_len}",
+                       f"run.storage_path={self.work}", f"scaling.num_workers={args.workers}",
+                       f"train.micro_batch_size={args.micro_batch}",
+                       f"train.global_batch_size={args.micro_batch * args.workers}"]
+        base = load_config(None, self.common)
+        tokenizer = load_tokenizer(base.model, base.data.chat_template)
+        model_config = LlamaConfig(
+            hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+            num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+            num_key_value_heads=max(1, args.hidden // 256), vocab_size=len(tokenizer), tie_word_embeddings=False,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        model_config.save_pretrained(model_dir)
+        with torch.device("meta"):
+            self.params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+        self.store = prepare_store(base.data, tokenizer, base.store_dir).path
+
+    def config(self, *sets: str):
+        from raysft.config import load_config
+
+        return load_config(None, [*self.common, *sets])
+
+    def run(self, fn, name: str, loop: dict) -> list[dict]:
+        """Run fn(loop) on a fresh worker group; each rank writes its results to <out>/<name>.rank<r>.json."""
+        import ray
+        from ray.train import RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        if not ray.is_initialized():  # workers import the bench modules too
+            ray.init(num_cpus=self.args.workers, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": str(BENCH_DIR)}})
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        TorchTrainer(fn, train_loop_config={"store": str(self.store), "out": str(self.work), "name": name, **loop},
+                     torch_config=TorchConfig(backend="nccl" if self.args.gpu else "gloo"),
+                     scaling_config=ScalingConfig(num_workers=self.args.workers, use_gpu=self.args.gpu,
+                                                  resources_per_worker={"CPU": 1}),
+                     run_config=RunConfig(name=f"bench-{name}", storage_path=str(self.work / "ray"))).fit()
+        return [json.loads((self.work / f"{name}.rank{r}.json").read_text()) for r in range(self.args.workers)]
+
+
+def write_rank_result(loop: dict, rank: int, result: dict) -> None:
+    """Each rank writes its own numbers (a Ray report keeps only rank 0's)."""
+    (Path(loop["out"]) / f"{loop['name']}.rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+
+
+def save_results(path: str, args: argparse.Namespace, results: list[dict], table: str) -> None:
+    print(table)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    print(f"bench: wrote {out}", file=sys.stderr)
+
+
+class PeakSampler:
+    """Samples a memory reading in a background thread and keeps the largest value seen."""
+
+    def __init__(self, read, interval_s: float = 0.005):
+        self.read, self.interval_s, self.peak = read, interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.read())
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
