@@ -8,6 +8,7 @@ blocks training against a synchronous one.
 Per mode, every rank writes its part into a directory of its own (as under Ray), the parts are merged into one
 directory (Ray's upload, not timed), and all ranks load it back. A save counts until its manifest is written:
 every file hashed (sha256) and flushed to disk. Throughput is checkpoint bytes over the slowest rank's time.
+Memory is the resident set's growth during the save, after handing freed heap memory back to the OS.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import MiB, PeakSampler, Setup, add_model_args, rss_bytes, save_results, write_rank_result
+from common import MiB, PeakSampler, Setup, add_model_args, rss_bytes, save_results, trim_heap, write_rank_result
 
 VARIANTS = [("full", False), ("full", True), ("sharded", False), ("sharded", True)]
 
@@ -49,6 +50,7 @@ def _measure(loop: dict) -> None:
         root = Path(loop["out"]) / name
         mine, merged = root / f"rank{ctx.rank}", root / "merged"
         dist.barrier()
+        trim_heap()
         before = rss_bytes()
         with PeakSampler(rss_bytes) as memory:
             start = time.perf_counter()
@@ -56,6 +58,8 @@ def _measure(loop: dict) -> None:
             blocking = time.perf_counter() - start
             pending.finish()
             save_s = time.perf_counter() - start
+        if not asynchronous:
+            blocking = save_s  # training waits for all of it
         written = torch.tensor([sum(f.stat().st_size for f in mine.rglob("*") if f.is_file())],
                                dtype=torch.float64, device=ctx.device)
         dist.all_reduce(written)

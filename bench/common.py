@@ -4,6 +4,7 @@ function, and memory readings."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -111,6 +112,14 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.read())
+
+
+def trim_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc), so that the next allocations show up in the RSS again."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 def rss_bytes() -> int:

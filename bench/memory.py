@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import MiB, PeakSampler, Setup, add_model_args, rss_bytes, save_results, write_rank_result
+from common import MiB, PeakSampler, Setup, add_model_args, rss_bytes, save_results, trim_heap, write_rank_result
 
 
 def _measure(loop: dict) -> None:
@@ -36,12 +36,16 @@ def _measure(loop: dict) -> None:
     ctx = ray_worker_context()
     gpu = ctx.device.type == "cuda"
     read = (lambda: torch.cuda.memory_allocated(ctx.device)) if gpu else rss_bytes
+    if not gpu:
+        trim_heap()
     before_model = read()
     with PeakSampler(read) as init:
         trainer = Trainer(TrainConfig.from_dict(loop["config"]), Path(loop["store"]), None, lambda *a: None, ctx)
     if gpu:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     trainer.model.train()
+    if not gpu:
+        trim_heap()
     tracker = FSDPMemTracker(trainer.model, trainer.optimizer)
     with PeakSampler(read) as process, tracker:
         start = time.perf_counter()
