@@ -57,7 +57,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None:
+        if param is not None and param.device.type != "meta":  # one already on meta is kept: tying shares it
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = register_on_meta

@@ -1,9 +1,11 @@
 """bf16, fp16 with loss scaling, CPU offload and non-LLaMA decoder families train under FSDP2 on 2 workers."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import run_workers, tiny_config
 from torch.distributed.fsdp import FSDPModule
@@ -44,6 +46,17 @@ def _train_variants(loop: dict) -> None:
             dist.barrier()
             resumed = Trainer(cfg, Path(loop["store"]), Path(loop["out"]) / "fp16-ckpt0", lambda *a: None, ctx)
             assert resumed.scaler.get_scale() == trainer.scaler.get_scale()
+        if name == "qwen2":  # tied embeddings stay one parameter, through training and a sharded checkpoint
+            assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+            mine = Path(loop["out"]) / f"qwen2-ckpt-rank{ctx.rank}"
+            save(mine, "sharded", trainer.objs, trainer.state)
+            shutil.copytree(mine, Path(loop["out"]) / "qwen2-ckpt", dirs_exist_ok=True)
+            dist.barrier()
+            resumed = Trainer(cfg, Path(loop["store"]), Path(loop["out"]) / "qwen2-ckpt", lambda *a: None, ctx)
+            assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+            for (key, a), (_, b) in zip(trainer.model.state_dict().items(), resumed.model.state_dict().items(),
+                                        strict=True):
+                assert torch.equal(a.to_local(), b.to_local()), key
         dist.barrier()
 
 
