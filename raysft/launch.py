@@ -116,9 +116,8 @@ def choose_resume_dir(latest: Path, rank: int) -> tuple[Path | None, list[tuple[
     and checksums against each manifest; None if no checkpoint is complete (the run starts over)."""
     result: list = [None, []]
     if rank == 0:
-        older = sorted((p for p in latest.parent.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name < latest.name),
-                       reverse=True)
-        for candidate in [latest, *older]:
+        older = [p for p in checkpoint_dirs(latest.parent) if p.name < latest.name]
+        for candidate in [latest, *reversed(older)]:
             reason = incomplete_reason(candidate)
             if reason is None:
                 result[0] = str(candidate)
@@ -136,9 +135,14 @@ def ray_worker_context() -> WorkerContext:
 
 def existing_checkpoint_names(run_dir: Path, rank: int) -> frozenset[str]:
     """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
-    names = [sorted(p.name for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir()) if rank == 0 else None]
+    names = [[p.name for p in checkpoint_dirs(run_dir)] if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     return frozenset(names[0])
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories, oldest first (their names sort by step)."""
+    return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
 
 
 def checkpoint_name(step: int, taken: frozenset[str] = frozenset()) -> str:
