@@ -56,6 +56,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory that cannot be loaded; the message names the path."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed on some rank (a full disk, a lost mount). Raised on every rank at once; the
+    checkpoint is not complete and never reported, so the previous one stays the latest."""
+
+
 @dataclass
 class TrainState:
     step: int  # optimizer steps completed
@@ -123,26 +128,43 @@ class PendingSave:
     makes sure every rank succeeded (a background failure is raised on all ranks, never lost) and then writes the
     manifest that makes the checkpoint complete."""
 
-    def __init__(self, out_dir: Path, step: int, future: Future):
-        self.out_dir, self.step, self.future = out_dir, step, future
+    def __init__(self, out_dir: Path, step: int, futures: list[Future]):
+        self.out_dir, self.step, self.futures = out_dir, step, futures
 
     def done(self) -> bool:
-        return self.future.done()
+        return all(f.done() for f in self.futures)
 
     def finish(self) -> bool:
         """Returns whether this rank wrote files (Ray uploads those)."""
         error = None
+        for future in self.futures:
+            try:
+                future.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = error or e
+        self._raise_if_any_rank_failed(error)
         try:
-            self.future.result()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            error = e
+            mine = _durable_file_list(self.out_dir)
+        except OSError as e:
+            mine, error = {}, e
+        everyone: list[dict] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        dist.gather_object(mine, everyone, dst=0)
+        if everyone is not None and error is None:
+            try:
+                _write_manifest(self.out_dir, self.step, everyone)
+            except (OSError, CheckpointError) as e:
+                error = e
+        self._raise_if_any_rank_failed(error)
+        return bool(mine)
+
+    def _raise_if_any_rank_failed(self, error: BaseException | None) -> None:
         failed = torch.tensor([0 if error is None else 1], device=_device())
         dist.all_reduce(failed)
         if failed.item():
-            raise CheckpointError(f"{self.out_dir}: writing the checkpoint of step {self.step} failed on "
-                                  f"{failed.item()} rank(s){f': {error}' if error else ''}") from error
-        _write_manifest(self.out_dir, self.step)
-        return any(self.out_dir.iterdir())
+            raise CheckpointSaveError(
+                f"{self.out_dir}: writing the checkpoint of step {self.step} failed on {failed.item()} rank(s)"
+                f"{f': {error}' if error else ''}. The previous checkpoint is still the latest complete one; "
+                "launching again resumes from it once the cause (a full disk?) is fixed") from error
 
 
 def start_save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
@@ -156,20 +178,26 @@ def start_save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainStat
     else:
         future = _save_sharded(out_dir, objs, asynchronous)
     rng = _gather_rng_states()
+    futures = [future]
     if dist.get_rank() == 0:  # small files, written now
-        objs.hf_config.save_pretrained(out_dir)
-        objs.tokenizer.save_pretrained(out_dir)
-        save_file(rng, out_dir / "rng.safetensors")
-        (out_dir / STATE_FILE).write_text(json.dumps({
-            "format_version": FORMAT_VERSION,
-            "mode": mode,
-            "step": state.step,
-            "cursor": state.cursor.state_dict(),
-            "scheduler": objs.scheduler.state_dict(),
-            "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
-            "world_size": dist.get_world_size(),
-        }, indent=1))
-    return PendingSave(out_dir, state.step, future)
+        futures.append(_run_now(lambda: _write_run_files(out_dir, mode, objs, state, rng)))
+    return PendingSave(out_dir, state.step, futures)
+
+
+def _write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
+                     rng: dict[str, torch.Tensor]) -> None:
+    objs.hf_config.save_pretrained(out_dir)
+    objs.tokenizer.save_pretrained(out_dir)
+    save_file(rng, out_dir / "rng.safetensors")
+    (out_dir / STATE_FILE).write_text(json.dumps({
+        "format_version": FORMAT_VERSION,
+        "mode": mode,
+        "step": state.step,
+        "cursor": state.cursor.state_dict(),
+        "scheduler": objs.scheduler.state_dict(),
+        "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
+        "world_size": dist.get_world_size(),
+    }, indent=1))
 
 
 def save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState) -> bool:
@@ -229,7 +257,7 @@ def _save_full(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Futu
     model_sd = get_model_state_dict(objs.model, options=_GATHER)
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=_GATHER)
     if dist.get_rank() != 0:
-        return _done()
+        return _run_now(lambda: None)
     for alias in objs.aliases:
         model_sd.pop(alias, None)
     model = {k: v.contiguous() for k, v in model_sd.items()}
@@ -248,8 +276,7 @@ def _save_full(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Futu
         (out_dir / "optimizer.json").write_text(optimizer_json)
 
     if not asynchronous:
-        write()
-        return _done()
+        return _run_now(write)
     # a gathered tensor may share memory with a live one (a mesh of one shard): copy before training goes on
     model = {k: v.clone() for k, v in model.items()}
     tensors = {k: v.clone() for k, v in tensors.items()}
@@ -293,8 +320,7 @@ def _save_sharded(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> F
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
     # each rank writes __<rank>_0.distcp into its own directory; the planner writes a replicated tensor once
     if not asynchronous:
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir)
-        return _done()
+        return _run_now(lambda: dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir))
     # staged to CPU memory now, written by a background thread that synchronizes over its own gloo group
     return dcp.async_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir,
                           process_group=_checkpoint_group())
@@ -322,9 +348,14 @@ def _checkpoint_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo")
 
 
-def _done() -> Future:
+def _run_now(write) -> Future:
+    """Run a synchronous write, keeping its error in the future: `PendingSave.finish` raises it on every rank
+    (raised here, it would leave the other ranks waiting in the next collective)."""
     future: Future = Future()
-    future.set_result(None)
+    try:
+        future.set_result(write())
+    except Exception as e:  # noqa: BLE001 - delivered by finish()
+        future.set_exception(e)
     return future
 
 
@@ -344,16 +375,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_manifest(out_dir: Path, step: int) -> None:
-    """Collective: each rank flushes and hashes the files it wrote, rank 0 writes them all into the manifest, last."""
+def _durable_file_list(out_dir: Path) -> dict[str, dict]:
+    """This rank's files, flushed to disk, with their sizes and sha256."""
     mine = {str(f.relative_to(out_dir)): {"size": f.stat().st_size, "sha256": _sha256(f)}
             for f in sorted(out_dir.rglob("*")) if f.is_file()}
     for name in mine:
         _fsync(out_dir / name)
-    everyone: list[dict] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    if everyone is None:
-        return
+    return mine
+
+
+def _write_manifest(out_dir: Path, step: int, everyone: list[dict]) -> None:
+    """Rank 0, last: every rank's files in one manifest, which makes the checkpoint complete."""
     files: dict[str, dict] = {}
     for rank, part in enumerate(everyone):
         for name, entry in part.items():
