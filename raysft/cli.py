@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p_train = sub.add_parser("train", help="train on the Ray cluster in RAY_ADDRESS, or on a local Ray")
     add_config_args(p_train)
+    p_train.add_argument("--fresh", action="store_true",
+                         help="start the run over instead of resuming it (the old run directory is kept, renamed)")
     p_train.add_argument("--export", metavar="DIR", help="export the final checkpoint to DIR as an HF model")
     p_train.add_argument("--prompt", help="with --export: print the exported model's answer to PROMPT")
     p_prepare = sub.add_parser("prepare", help="tokenize the data into the parquet store ahead of training")
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
             return _prepare(config)
-        return _train(config, args.export, args.prompt)
+        return _train(config, args.fresh, args.export, args.prompt)
     except ConfigError as e:
         print(f"raysft: config error: {e}", file=sys.stderr)
         return 2
@@ -63,8 +65,8 @@ def _prepare(config: TrainConfig) -> int:
     return 0
 
 
-def _train(config: TrainConfig, export_dir: str | None, prompt: str | None) -> int:
-    result = train(config)
+def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str | None) -> int:
+    result = train(config, fresh=fresh)
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run.name} finished without a checkpoint in {config.run_dir}")
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")

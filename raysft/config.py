@@ -109,7 +109,16 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     """Logical CPUs per worker; a local Ray is sized from this, so 4 workers fit on a 2-core laptop."""
-    max_failures: int = 0
+    min_workers: int = 0
+    """Elastic training: start, or go on after losing a node, with as few as this many workers (Ray resizes the
+    group between min_workers and num_workers as capacity comes and goes); 0: exactly num_workers."""
+    placement_timeout_s: float = 600.0
+    """How long, in all, Ray may wait for the cluster to have room for the workers (at the start, or for
+    capacity to come back after a node is lost) before the run fails; a cluster too small to ever hold them fails
+    at once."""
+    max_failures: int = 3
+    """Restarts after a worker or node dies, each from the latest complete checkpoint (-1: unlimited). Preemptions
+    announced by Ray do not count; a config error or a failed checkpoint write ends the run at once."""
 
 
 @dataclass
@@ -235,14 +244,22 @@ def validate(cfg: TrainConfig) -> None:
              f"must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
     _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
     _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
+    _require(0 <= s.min_workers <= s.num_workers, "scaling.min_workers",
+             f"must be in [0, scaling.num_workers={s.num_workers}], got {s.min_workers}")
     _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
-    per_step = t.micro_batch_size * s.num_workers
-    _require(
-        t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
-        "train.global_batch_size",
-        f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × scaling.num_workers "
-        f"= {t.micro_batch_size} × {s.num_workers} = {per_step}",
-    )
+    _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
+    _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")
+    for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
+        per_step = t.micro_batch_size * workers
+        _require(
+            t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
+            "train.global_batch_size",
+            f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
+            f"= {t.micro_batch_size} × {workers} = {per_step}"
+            + (f" (scaling.min_workers={s.min_workers}: every worker count up to {s.num_workers} must divide it)"
+               if s.min_workers else ""),
+        )
+        _validate_parallel(p, workers)
     _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
@@ -254,7 +271,6 @@ def validate(cfg: TrainConfig) -> None:
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
-    _validate_parallel(p, s.num_workers)
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
              f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")

@@ -1,44 +1,68 @@
-"""The Ray edge: prepare data on the driver, start a TorchTrainer, and adapt Ray's context, checkpoints and
-reports to the Ray-free training loop in raysft.trainer."""
+"""The Ray edge: prepare data on the driver, start a TorchTrainer, and adapt Ray's context, checkpoints, reports
+and preemption notices to the Ray-free training loop in raysft.trainer."""
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 from pathlib import Path
 
 import ray
 import ray.train
-import torch.distributed as dist
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, WorkerGroupError
+from ray.train import (
+    Checkpoint,
+    CheckpointConfig,
+    ControllerError,
+    FailureConfig,
+    Result,
+    RunConfig,
+    ScalingConfig,
+)
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raysft.checkpoint import incomplete_reason
+from raysft.checkpoint import CheckpointSaveError
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.data import prepare_store
+from raysft.resume import (
+    checkpoint_name,
+    choose_resume_dir,
+    claim_run_dir,
+    clear_scratch,
+    existing_checkpoint_names,
+)
 from raysft.tokenizer import load_tokenizer
-from raysft.trainer import Trainer, WorkerContext
+from raysft.trainer import Trainer, WorkerContext, scratch_root
 
-CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
-# Attempts to (re)start the worker group before giving up, so an unschedulable run fails instead of waiting forever.
-CONTROLLER_FAILURE_LIMIT = 3
+# Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
+START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
+# Raised on every rank at the same point and certain to happen again after a restart: the workers end the run
+# cleanly, rank 0 leaving the error in this file for the driver to raise, instead of Ray retrying it
+# scaling.max_failures times.
+NOT_RETRIED = (ConfigError, CheckpointSaveError)
+FATAL_ERROR_FILE = "raysft_error.json"
 
 
-class ClusterTooSmall(RuntimeError):
-    """The Ray cluster can never place the requested workers."""
+class CannotPlaceWorkers(RuntimeError):
+    """The Ray cluster cannot place the requested workers: too small, or busy for longer than Ray waits."""
 
 
-def train(config: TrainConfig) -> Result:
+def train(config: TrainConfig, fresh: bool = False) -> Result:
     """Tokenize the data (or reuse the store), then train on the Ray cluster in RAY_ADDRESS or a local one.
 
-    Launching again with the same run.name and run.storage_path resumes from the run's latest checkpoint.
+    Launching again with the same run.name and run.storage_path resumes from the run's latest complete checkpoint;
+    the run's data, model and schedule must then be the same (ConfigError otherwise). `fresh` starts the run over
+    and keeps the old run directory beside it, renamed.
     """
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     store = prepare_store(config.data, tokenizer, config.store_dir)
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
+    moved = claim_run_dir(config, store.path.name, fresh)
+    if moved:
+        print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     s = config.scaling
@@ -46,24 +70,32 @@ def train(config: TrainConfig) -> Result:
         train_loop_per_worker=_train_fn,
         train_loop_config={"config": config.to_dict(), "store": str(store.path)},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu,
-                                     resources_per_worker=worker_resources(s)),
+        scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
+                                     use_gpu=s.use_gpu, resources_per_worker=worker_resources(s)),
         run_config=RunConfig(
             name=config.run.name,
             storage_path=str(Path(config.run.storage_path).expanduser().resolve()),
             failure_config=FailureConfig(max_failures=s.max_failures,
-                                         controller_failure_limit=CONTROLLER_FAILURE_LIMIT),
+                                         controller_failure_limit=start_attempts(s) - 1),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
+    fatal_file = config.run_dir / FATAL_ERROR_FILE
+    fatal_file.unlink(missing_ok=True)
     try:
-        return trainer.fit()
-    except WorkerGroupError as e:  # a layout the workers found unusable is a config error, not a crash
-        config_errors = [x for x in e.worker_failures.values() if isinstance(x, ConfigError)]
-        if config_errors:
-            raise config_errors[0] from e
-        raise
+        result = trainer.fit()
+    except ControllerError as e:
+        raise CannotPlaceWorkers(
+            f"Ray could not start {s.min_workers or s.num_workers} workers of {worker_resources(s)} in "
+            f"{start_attempts(s)} attempts of {start_timeout_s():g} s (scaling.placement_timeout_s="
+            f"{s.placement_timeout_s:g}): the cluster has the resources in total, but they stayed taken (other "
+            "jobs, or nodes gone). Free them or add nodes, lower scaling.num_workers, set scaling.min_workers to "
+            f"start with fewer, or wait longer. Ray's error: {e.controller_failure}") from e
+    if fatal_file.is_file():
+        fatal = json.loads(fatal_file.read_text())
+        raise next(t for t in NOT_RETRIED if t.__name__ == fatal["type"])(fatal["message"])
+    return result
 
 
 def connect_ray(scaling: RaysftScaling) -> None:
@@ -76,55 +108,55 @@ def connect_ray(scaling: RaysftScaling) -> None:
         ray.init(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
 
 
+def start_timeout_s() -> float:
+    return float(os.environ.get(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S))
+
+
+def start_attempts(scaling: RaysftScaling) -> int:
+    """Ray counts every worker-group start that timed out; this many fill scaling.placement_timeout_s."""
+    return max(1, math.ceil(scaling.placement_timeout_s / start_timeout_s()))
+
+
 def worker_resources(scaling: RaysftScaling) -> dict[str, float]:
     return {"CPU": scaling.cpus_per_worker, **({"GPU": 1.0} if scaling.use_gpu else {})}
 
 
 def check_cluster_can_place(scaling: RaysftScaling) -> None:
+    """Fail now, not after Ray's start timeouts, when the live nodes cannot hold the workers even when idle."""
     need = worker_resources(scaling)
     fits = 0
     for node in ray.nodes():
         if node.get("Alive"):
             res = node.get("Resources", {})
             fits += int(min(res.get(k, 0.0) / v for k, v in need.items()))
-    if fits < scaling.num_workers:
-        raise ClusterTooSmall(
-            f"the Ray cluster fits {fits} workers of {need}, but scaling.num_workers={scaling.num_workers}: "
-            "lower scaling.num_workers or scaling.cpus_per_worker, or add nodes")
+    if fits < (scaling.min_workers or scaling.num_workers):
+        raise CannotPlaceWorkers(
+            f"the Ray cluster fits {fits} workers of {need}, but scaling.num_workers={scaling.num_workers}"
+            f"{f' (scaling.min_workers={scaling.min_workers})' if scaling.min_workers else ''}: lower "
+            "scaling.num_workers or scaling.cpus_per_worker, set scaling.min_workers, or add nodes")
 
 
 def _train_fn(loop_config: dict) -> None:
     cfg = TrainConfig.from_dict(loop_config["config"])
     worker = ray_worker_context()
-    store = Path(loop_config["store"])
+    if ray.train.get_context().get_local_rank() == 0:
+        clear_scratch(scratch_root(cfg))  # before the first collective, so before any worker here saves
+    try:
+        _build_trainer(cfg, Path(loop_config["store"]), worker).train()
+    except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
+        if worker.rank == 0:
+            (cfg.run_dir / FATAL_ERROR_FILE).write_text(json.dumps({"type": type(e).__name__, "message": str(e)}))
+
+
+def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext) -> Trainer:
+    """Resumes from the run's newest complete checkpoint. That is Ray's latest (`ray.train.get_checkpoint()`)
+    unless Ray's record of a newer one died with a worker, or its latest was cut short."""
     report = functools.partial(ray_report, taken=existing_checkpoint_names(cfg.run_dir, worker.rank))
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        Trainer(cfg, store, None, report, worker).train()
-        return
-    with checkpoint.as_directory() as latest:
-        resume_dir, skipped = choose_resume_dir(Path(latest), worker.rank)
-        trainer = Trainer(cfg, store, resume_dir, report, worker)
+    resume_dir, skipped = choose_resume_dir(cfg.run_dir, worker.rank)
+    trainer = Trainer(cfg, store, resume_dir, report, worker, ray_preemption_deadline)
     for path, reason in skipped:
         trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
-    trainer.train()
-
-
-def choose_resume_dir(latest: Path, rank: int) -> tuple[Path | None, list[tuple[str, str]]]:
-    """Collective: the newest complete checkpoint, starting from the one Ray registered last and going back
-    through the older ones beside it, and the (path, reason) of each incomplete one skipped. Rank 0 checks sizes
-    and checksums against each manifest; None if no checkpoint is complete (the run starts over)."""
-    result: list = [None, []]
-    if rank == 0:
-        older = [p for p in checkpoint_dirs(latest.parent) if p.name < latest.name]
-        for candidate in [latest, *reversed(older)]:
-            reason = incomplete_reason(candidate)
-            if reason is None:
-                result[0] = str(candidate)
-                break
-            result[1].append((str(candidate), reason))
-    dist.broadcast_object_list(result, src=0)
-    return (Path(result[0]) if result[0] else None), result[1]
+    return trainer
 
 
 def ray_worker_context() -> WorkerContext:
@@ -133,27 +165,12 @@ def ray_worker_context() -> WorkerContext:
                          device=ray.train.torch.get_device(), node_rank=ctx.get_node_rank())
 
 
-def existing_checkpoint_names(run_dir: Path, rank: int) -> frozenset[str]:
-    """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
-    names = [[p.name for p in checkpoint_dirs(run_dir)] if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    return frozenset(names[0])
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """The run's checkpoint directories, oldest first (their names sort by step)."""
-    return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
-
-
-def checkpoint_name(step: int, taken: frozenset[str] = frozenset()) -> str:
-    """checkpoint_<step, 8 digits>; a step saved again after resuming from an older checkpoint gets .1, .2, ...
-    (Ray would merge it into the old directory, and pruning one entry would delete both)."""
-    name = base = f"{CHECKPOINT_PREFIX}{step:08d}"
-    n = 0
-    while name in taken:
-        n += 1
-        name = f"{base}.{n}"
-    return name
+def ray_preemption_deadline() -> float | None:
+    """Collective (a Ray barrier of about 2 ms): when a node of this run will be taken away, if Ray knows."""
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    return info.deadline_ms / 1000 if info.deadline_ms else math.inf
 
 
 def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset()) -> None:

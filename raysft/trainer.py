@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,11 +52,26 @@ class WorkerContext:
     """The worker's node (Ray numbers nodes by IP); HYBRID_SHARD derives its mesh from every worker's."""
 
 
-class Trainer:
-    """Builds the sharded model, optimizer and data on this worker; `train()` runs to cfg.train.max_steps."""
+def scratch_root(cfg: TrainConfig) -> Path:
+    """Where this node's workers write checkpoint parts before Ray copies them to storage; a worker killed in a
+    save leaves its part here, so a relaunch clears it (`clear_scratch`)."""
+    run_id = hashlib.sha256(str(cfg.run_dir).encode()).hexdigest()[:8]
+    root = Path(tempfile.gettempdir()) / f"raysft-{cfg.run.name}-{run_id}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
-    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, report: Reporter, ctx: WorkerContext):
+
+class Trainer:
+    """Builds the sharded model, optimizer and data on this worker; `train()` runs to cfg.train.max_steps.
+
+    `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
+    which a node of this run will be taken away; the first notice makes the loop checkpoint right away.
+    """
+
+    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, report: Reporter, ctx: WorkerContext,
+                 preemption_deadline: Callable[[], float | None] = lambda: None):
         self.cfg, self.ctx, self.report = cfg, ctx, report
+        self.preemption_deadline, self.preemption_noticed = preemption_deadline, False
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
         self.mesh = build_mesh(mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device)),
@@ -76,7 +94,7 @@ class Trainer:
         self.checkpoint_mode = choose_mode(cfg.checkpoint.mode, self.model)
         if resume_dir is not None:
             self.state = load(resume_dir, self.objs)
-            self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir))
+            self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)
         else:
             load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
@@ -94,8 +112,11 @@ class Trainer:
         while self.state.step < stop:
             metrics = self.train_step()
             self.log.step(self.state.step, metrics)
-            if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == stop:
+            preempted = self._new_preemption_notice()
+            if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == stop or preempted:
                 self.save_checkpoint(metrics)
+                if preempted:
+                    self.finish_checkpoint()  # durable and reported before the node goes
             elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
                 self.report({**metrics, "step": self.state.step}, None, self.state.step)
             if self.pending is not None and self._all_ranks(self.pending[0].done()):
@@ -159,7 +180,7 @@ class Trainer:
         which copies the parts into one directory in storage."""
         self.finish_checkpoint()  # one save at a time: the previous one must be complete
         start = time.perf_counter()
-        out = Path(tempfile.mkdtemp(prefix="raysft-ckpt-"))
+        out = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch_root(self.cfg)))
         try:
             pending = start_save(out, self.checkpoint_mode, self.objs, self.state, self.cfg.checkpoint.async_save)
         except BaseException:
@@ -181,6 +202,19 @@ class Trainer:
             shutil.rmtree(pending.out_dir, ignore_errors=True)
         self.log.event("checkpoint", step=pending.step, mode=self.checkpoint_mode,
                        blocking_s=round(metrics["save_blocking_s"], 3), reported_at_step=self.state.step)
+
+    def _new_preemption_notice(self) -> bool:
+        """Collective: whether Ray has just announced that a node of this run will be drained. Training goes on
+        after the checkpoint; when the node goes, Ray restarts the workers elsewhere from it."""
+        if self.preemption_noticed:
+            return False
+        deadline = self.preemption_deadline()
+        if deadline is None:
+            return False
+        self.preemption_noticed = True
+        self.log.event("preemption_notice", step=self.state.step,
+                       seconds_left=None if math.isinf(deadline) else round(deadline - time.time(), 1))
+        return True
 
     def _all_ranks(self, flag: bool) -> bool:
         value = torch.tensor([int(flag)], device=self.ctx.device)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, auto_mode
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, auto_mode, incomplete_reason
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.hf_export import INDEX_FILE
@@ -128,6 +128,15 @@ def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path):
     # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one
     assert sorted(p.name for p in first.run_dir.glob("checkpoint_*") if p.is_dir()) == \
         ["checkpoint_00000003", "checkpoint_00000006", "checkpoint_00000006.1", "checkpoint_00000007"]
+
+    # a flipped byte keeps the size; the checksum catches it, for export and (through the same check) for resume
+    rng = first.run_dir / "checkpoint_00000007" / "rng.safetensors"
+    data = bytearray(rng.read_bytes())
+    data[-1] ^= 0xFF
+    rng.write_bytes(bytes(data))
+    assert incomplete_reason(rng.parent) == "rng.safetensors does not match its sha256 in the manifest"
+    with pytest.raises(CheckpointError, match="rng.safetensors does not match its sha256"):
+        raysft.export(rng.parent, tmp_path / "never")
 
 
 def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path):

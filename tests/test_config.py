@@ -38,6 +38,8 @@ def test_the_shipped_demo_config_loads():
     (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing"),
     (["run.name=a/b"], "run.name"),
     (["data.paths=notalist"], "data.paths"),
+    (["scaling.min_workers=3"], "scaling.min_workers"),  # more than num_workers=2
+    (["scaling.max_failures=-2"], "scaling.max_failures"),
 ])
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -52,3 +54,12 @@ def test_round_trip_through_dict():
 def test_cli_config_error_exits_2(capsys):
     assert main(["train", "--set", "train.max_steps=-1"]) == 2
     assert "train.max_steps" in capsys.readouterr().err
+
+
+def test_elastic_range_needs_a_global_batch_that_every_worker_count_divides():
+    ok = load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2", "train.micro_batch_size=1",
+                            "train.global_batch_size=12"])
+    assert (ok.scaling.min_workers, ok.scaling.num_workers) == (2, 4)
+    with pytest.raises(ConfigError, match=r"global_batch_size.*× 3 = 6 \(scaling.min_workers=2"):
+        load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2", "train.micro_batch_size=2",
+                           "train.global_batch_size=16"])  # 4 and 2 workers divide 16, 3 does not

@@ -13,7 +13,7 @@ import raysft
 from raysft.checkpoint import save
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
-from raysft.launch import ClusterTooSmall, ray_report, ray_worker_context
+from raysft.launch import CannotPlaceWorkers, ray_report, ray_worker_context
 from raysft.metrics import read_metrics
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
@@ -116,5 +116,5 @@ def test_resume_restores_model_optimizer_schedule_cursor_and_rng(tmp_path):
 
 def test_a_cluster_that_cannot_place_the_workers_is_an_error(tmp_path):
     cfg = tiny_config(tmp_path, **{"scaling.num_workers": 8, "train.global_batch_size": 32})
-    with pytest.raises(ClusterTooSmall, match="scaling.num_workers=8"):
+    with pytest.raises(CannotPlaceWorkers, match="scaling.num_workers=8"):
         raysft.train(cfg)

@@ -1,0 +1,116 @@
+"""Faults for tests/test_faults_cluster.py, armed from the test process and fired inside Ray's train workers.
+
+`install` is the Ray `worker_process_setup_hook` of that test's cluster. It patches raysft when a worker imports
+it. A test arms a fault by writing `<name>.json` into the directory in $RAYSFT_FAULTS_DIR; the fault fires once
+(its file is removed when it fires), so the workers Ray starts after a failure run clean.
+
+  pause_in_save  {"step": s}    rank 0 writes its part of the step-s checkpoint, then writes `paused.json` (its
+                                pid and the part's directory) and sleeps: the test kills it in the middle of a save
+  disk_full      {"step": s}    rank 0's write of model.safetensors at step s fails with ENOSPC
+  slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed)
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+FAULTS_ENV = "RAYSFT_FAULTS_DIR"
+
+
+def arm(faults_dir: Path, name: str, **params) -> None:
+    (faults_dir / f"{name}.json").write_text(json.dumps(params))
+
+
+def install() -> None:
+    if os.environ.get(FAULTS_ENV):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+def _take(name: str, once: bool = True) -> dict | None:
+    path = Path(os.environ[FAULTS_ENV]) / f"{name}.json"
+    try:
+        params = json.loads(path.read_text())
+        if once:
+            path.unlink()
+        return params
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _peek(name: str, step: int) -> bool:
+    path = Path(os.environ[FAULTS_ENV]) / f"{name}.json"
+    try:
+        return json.loads(path.read_text())["step"] == step
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches raysft.checkpoint and raysft.trainer as they are imported, before anything binds their names."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in ("raysft.checkpoint", "raysft.trainer"):
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        execute = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            execute(module)
+            (_patch_checkpoint if name == "raysft.checkpoint" else _patch_trainer)(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _patch_checkpoint(module) -> None:
+    import torch.distributed as dist
+
+    start_save, save_file = module.start_save, module.save_file
+
+    def faulty_start_save(out_dir, mode, objs, state, asynchronous=False):
+        rank0 = dist.get_rank() == 0
+        if rank0 and _peek("disk_full", state.step):
+            _take("disk_full")
+
+            def full_disk(tensors, path, metadata=None):
+                if Path(path).name == module.MODEL_FILE:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+                return save_file(tensors, path, metadata=metadata)
+
+            module.save_file = full_disk
+            try:
+                return start_save(out_dir, mode, objs, state, asynchronous)
+            finally:
+                module.save_file = save_file
+        pending = start_save(out_dir, mode, objs, state, asynchronous)
+        if rank0 and _peek("pause_in_save", state.step):
+            _take("pause_in_save")
+            paused = Path(os.environ[FAULTS_ENV]) / "paused.json"
+            paused.write_text(json.dumps({"pid": os.getpid(), "part": str(out_dir)}))
+            time.sleep(600)
+        return pending
+
+    module.start_save = faulty_start_save
+
+
+def _patch_trainer(module) -> None:
+    train_step = module.Trainer.train_step
+
+    def slow_train_step(self):
+        slow = _take("slow_steps", once=False)
+        if slow:
+            time.sleep(slow["seconds"])
+        return train_step(self)
+
+    module.Trainer.train_step = slow_train_step

@@ -1,0 +1,359 @@
+"""Faults injected into real training runs on a multi-node Ray cluster on one machine: a head with no CPUs and
+worker nodes that each test adds and removes (ray.cluster_utils.Cluster). Each test proves that the fault costs
+at most the steps since the last complete checkpoint: the run finishes with the same per-step losses and
+bit-identical weights as an uninterrupted run of the same topology.
+
+With RAYSFT_FAULT_REPORT=FILE, each test appends what it measured (steps lost, seconds from fault to the first
+step after resuming) to FILE as a JSON line: docs/RELIABILITY.md is made from it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+from conftest import REPO, tiny_config
+from fault_injection import FAULTS_ENV, arm
+from safetensors.torch import load_file
+
+import raysft
+from raysft.checkpoint import CheckpointSaveError
+from raysft.config import ConfigError
+from raysft.launch import CannotPlaceWorkers
+from raysft.metrics import read_metrics
+from raysft.resume import checkpoint_dirs
+
+STEPS, EVERY = 24, 6
+# Ray Train's timings, shortened for tests (the driver passes them on to Ray's controller and workers).
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
+                 "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    faults = tmp_path_factory.mktemp("faults")
+    saved = {k: os.environ.get(k) for k in RAY_TRAIN_ENV}
+    os.environ.update(RAY_TRAIN_ENV)
+    head = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "temp_dir": str(tmp_path_factory.mktemp("ray"))})
+    ray.init(address=head.address, runtime_env={
+        "env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", FAULTS_ENV: str(faults), **RAY_TRAIN_ENV},
+        "worker_process_setup_hook": "fault_injection.install"})
+    head.faults = faults
+    yield head
+    ray.shutdown()
+    head.shutdown()
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture
+def nodes(cluster):
+    """Adds worker nodes of 2 CPUs for one test and removes those still there afterwards."""
+    added = []
+
+    def add(num_cpus: int = 2):
+        node = cluster.add_node(num_cpus=num_cpus)
+        added.append(node)
+        cluster.wait_for_nodes()
+        return node
+
+    yield add
+    for node in added:
+        if node in cluster.worker_nodes:
+            cluster.remove_node(node)
+    for f in cluster.faults.iterdir():
+        f.unlink()
+
+
+def config(tmp_path, name, **sets):
+    return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": EVERY, "run.name": name,
+                                    "train.log_every_n_steps": 100, "checkpoint.mode": "full",
+                                    "scaling.max_failures": 2, **sets})
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """Uninterrupted runs, by number of workers: per-step losses and final weights."""
+    runs = {}
+
+    def get(workers: int, **sets):
+        key = (workers, tuple(sorted(sets.items())))
+        if key not in runs:
+            node = cluster.add_node(num_cpus=workers)
+            cluster.wait_for_nodes()
+            tmp = tmp_path_factory.mktemp("reference")
+            cfg = config(tmp, "reference", **{"scaling.num_workers": workers, **sets})
+            result = raysft.train(cfg)
+            cluster.remove_node(node)
+            runs[key] = (final_losses(cfg.run_dir), load_file(Path(result.checkpoint.path) / "model.safetensors"))
+        return runs[key]
+
+    return get
+
+
+def final_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """Each step's loss from the pass that counted: a step trained again after a resume replaces the lost one."""
+    losses = {}
+    for m in read_metrics(run_dir):
+        if "loss" in m:
+            losses[m["step"]] = m["loss"]
+    return sorted(losses.items())
+
+
+def assert_same_run(cfg, result, reference) -> None:
+    ref_losses, ref_weights = reference
+    assert final_losses(cfg.run_dir) == ref_losses
+    weights = load_file(Path(result.checkpoint.path) / "model.safetensors")
+    assert weights.keys() == ref_weights.keys()
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def last_step(run_dir: Path) -> int:
+    try:
+        return max((m["step"] for m in read_metrics(run_dir) if "loss" in m), default=0)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"waited {timeout}s for {what}")
+
+
+def train_worker_pids() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+class Background:
+    """raysft.train in a thread, so the main thread can add and remove nodes (Ray needs that on the main thread)."""
+
+    def __init__(self, cfg, **kw):
+        self.result = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(cfg,), kwargs=kw, daemon=True)
+        self.thread.start()
+
+    def _run(self, cfg, **kw):
+        try:
+            self.result = raysft.train(cfg, **kw)
+        except BaseException as e:  # noqa: BLE001 - re-raised in join
+            self.error = e
+
+    def join(self, timeout: float = 600):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the run did not finish"
+        if self.error:
+            raise self.error
+        return self.result
+
+
+def recovery(run_dir: Path, fault_time: float, fault: str, how: str) -> dict:
+    """Steps lost (trained before the fault, after the checkpoint it resumed from) and seconds until training
+    went on; appended to $RAYSFT_FAULT_REPORT if set."""
+    records = read_metrics(run_dir)
+    resume = next(i for i, m in enumerate(records) if m.get("event") == "resume")
+    before = max(m["step"] for m in records[:resume] if "loss" in m)
+    first_after = next(m for m in records[resume:] if "loss" in m)
+    row = {"fault": fault, "how": how, "resumed_from": records[resume]["step"], "last_step_before": before,
+           "steps_lost": before - records[resume]["step"], "checkpoint_every": EVERY,
+           "seconds_to_next_step": round(first_after["time"] - fault_time, 1)}
+    if os.environ.get("RAYSFT_FAULT_REPORT"):
+        with open(os.environ["RAYSFT_FAULT_REPORT"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def test_a_lost_node_resumes_on_a_replacement_with_the_hsdp_mesh_rebuilt(tmp_path, nodes, reference, cluster):
+    hsdp = {"parallel.sharding": "HYBRID_SHARD", "parallel.hsdp_shard_size": 2, "train.micro_batch_size": 2}
+    ref = reference(4, **hsdp)
+    a, _ = nodes(), nodes()
+    cfg = config(tmp_path, "node", **{"scaling.num_workers": 4, **hsdp})
+    run = Background(cfg)
+    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+    cluster.remove_node(a, allow_graceful=False)  # its two workers die with it, mid-step
+    fault_time = time.time()
+    time.sleep(2)  # the run cannot go on with two workers of four
+    nodes()  # capacity comes back
+    result = run.join()
+    row = recovery(cfg.run_dir, fault_time, "node lost", "ray.cluster_utils.Cluster.remove_node(allow_graceful=False)")
+    assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
+    resume = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume")
+    assert resume["world_size"] == 4
+    assert_same_run(cfg, result, ref)
+
+
+def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference):
+    ref = reference(2)
+    nodes()
+    cfg = config(tmp_path, "sigkill")
+    run = Background(cfg)
+    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+    os.kill(train_worker_pids()[-1], signal.SIGKILL)
+    fault_time = time.time()
+    result = run.join()
+    row = recovery(cfg.run_dir, fault_time, "worker killed mid-step", "SIGKILL to one train worker")
+    assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
+    assert_same_run(cfg, result, ref)
+
+
+def test_a_worker_killed_mid_save_leaves_no_checkpoint_that_is_used(tmp_path, nodes, reference, cluster):
+    ref = reference(2)
+    nodes()
+    arm(cluster.faults, "pause_in_save", step=2 * EVERY)
+    cfg = config(tmp_path, "midsave")
+    run = Background(cfg)
+    paused = wait_for(lambda: (cluster.faults / "paused.json").is_file() and
+                      json.loads((cluster.faults / "paused.json").read_text()), 300, "a save to pause")
+    assert Path(paused["part"]).is_dir()  # rank 0 wrote its part; no manifest, not reported
+    os.kill(paused["pid"], signal.SIGKILL)
+    fault_time = time.time()
+    result = run.join()
+    row = recovery(cfg.run_dir, fault_time, "worker killed mid-save", "SIGKILL to rank 0 inside a checkpoint save")
+    assert row["resumed_from"] == EVERY and row["steps_lost"] == EVERY  # the step-12 save never counted
+    assert not Path(paused["part"]).exists()  # the relaunched workers cleared the dead save's part
+    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == \
+        ["checkpoint_00000018", "checkpoint_00000024"]  # keep=2 of 6, 12 (saved again after resuming), 18, 24
+    assert_same_run(cfg, result, ref)
+
+
+def test_a_full_disk_during_a_save_ends_the_run_without_retrying_and_keeps_the_last_good_checkpoint(
+        tmp_path, nodes, reference, cluster):
+    ref = reference(2)
+    nodes()
+    arm(cluster.faults, "disk_full", step=2 * EVERY)
+    cfg = config(tmp_path, "full-disk", **{"checkpoint.keep": 5})
+    with pytest.raises(CheckpointSaveError, match=r"raysft-full-disk-.*checkpoint of step 12 failed on 1 rank.*"
+                                                  r"No space left on device: .*model.safetensors"):
+        raysft.train(cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [m["event"] for m in records if m.get("event") in ("start", "resume")] == ["start"]  # not retried
+    assert last_step(cfg.run_dir) == 2 * EVERY
+    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000006"]
+
+    result = raysft.train(cfg)  # space freed: the relaunch resumes from the last good checkpoint
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [EVERY]
+    assert_same_run(cfg, result, ref)
+
+
+def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_path, nodes, reference, cluster):
+    ref = reference(2)
+    a = nodes()
+    arm(cluster.faults, "slow_steps", seconds=1.0)  # so the run is still going when the deadline comes
+    cfg = config(tmp_path, "preempt", **{"checkpoint.every_n_steps": 100})
+    run = Background(cfg)
+    wait_for(lambda: last_step(cfg.run_dir) >= 3, 300, "step 3")
+    drain = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", cluster.address,
+         "--node-id", a.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
+         "--deadline-remaining-seconds", "8"], capture_output=True, text=True, timeout=60)
+    assert drain.returncode == 0, drain.stderr
+    fault_time = time.time()
+    nodes()  # where the run goes next
+    notice = wait_for(lambda: next((m for m in read_metrics(cfg.run_dir) if m.get("event") == "preemption_notice"),
+                                   None), 60, "the preemption notice")
+    wait_for(lambda: any(m.get("event") == "resume" for m in read_metrics(cfg.run_dir)), 120, "the restart")
+    (cluster.faults / "slow_steps.json").unlink()
+    result = run.join()
+    records = read_metrics(cfg.run_dir)
+    saved = [m["step"] for m in records if m.get("event") == "checkpoint"]
+    assert saved[0] == notice["step"] and 0 < notice["seconds_left"] <= 8
+    row = recovery(cfg.run_dir, fault_time, "node preempted (announced)",
+                   "ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 8")
+    assert row["resumed_from"] == notice["step"]  # not step 0: checkpoint.every_n_steps is 100
+    assert_same_run(cfg, result, ref)
+
+
+def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(tmp_path, nodes, cluster):
+    _, b = nodes(), nodes()
+    cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, "scaling.min_workers": 2,
+                                         "train.micro_batch_size": 1, "train.global_batch_size": 12})
+    run = Background(cfg)
+    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+    cluster.remove_node(b, allow_graceful=False)
+    fault_time = time.time()
+    result = run.join()
+    row = recovery(cfg.run_dir, fault_time, "node lost, none to replace it (elastic)",
+                   "remove_node with scaling.min_workers=2 of 4")
+    records = read_metrics(cfg.run_dir)
+    start = next(m for m in records if m.get("event") == "start")
+    resume = next(m for m in records if m.get("event") == "resume")
+    assert start["world_size"] == 4 and resume["world_size"] == 2
+    assert [s for s, _ in final_losses(cfg.run_dir)] == list(range(1, STEPS + 1))
+    assert row["steps_lost"] < EVERY + 2
+    assert Path(result.checkpoint.path).name == f"checkpoint_{STEPS:08d}"
+
+
+def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_path, nodes):
+    nodes()
+
+    @ray.remote(num_cpus=2)
+    class Squatter:
+        def ready(self):
+            return True
+
+    squatter = Squatter.remote()
+    ray.get(squatter.ready.remote())
+    start = time.monotonic()
+    try:
+        with pytest.raises(CannotPlaceWorkers, match=r"could not start 2 workers .* in 2 attempts of 10 s "
+                                                      r"\(scaling.placement_timeout_s=20\)"):
+            raysft.train(config(tmp_path, "busy", **{"scaling.placement_timeout_s": 20}))
+    finally:
+        ray.kill(squatter)
+    assert time.monotonic() - start < 20 + 60
+
+
+def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_accident(tmp_path, nodes,
+                                                                                          reference, cluster):
+    ref = reference(2)
+    nodes()
+    cfg = config(tmp_path, "driver")
+    config_file = tmp_path / "driver.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
+    driver = subprocess.Popen([sys.executable, "-m", "raysft", "train", str(config_file)],
+                              env={**os.environ, "RAY_ADDRESS": cluster.address}, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    fault_time = time.time()
+    wait_for(lambda: not train_worker_pids(), 120, "Ray to end the dead driver's workers")
+    result = raysft.train(cfg)  # the same command again
+    row = recovery(cfg.run_dir, fault_time, "driver killed", "SIGKILL to the `raysft train` process; launched again")
+    assert 0 <= row["steps_lost"] < EVERY + 2
+    assert_same_run(cfg, result, ref)
+
+    before = sorted(p.name for p in cfg.run_dir.rglob("*"))
+    with pytest.raises(ConfigError, match="started with train.seed=0, this launch has 1.*--fresh"):
+        raysft.train(config(tmp_path, "driver", **{"train.seed": 1}))
+    assert sorted(p.name for p in cfg.run_dir.rglob("*")) == before  # nothing written
+
+    raysft.train(config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), fresh=True)
+    kept = list(cfg.run_dir.parent.glob("driver.replaced-*"))
+    assert len(kept) == 1 and (kept[0] / "checkpoint_00000024").is_dir()
+    assert [m["event"] for m in read_metrics(cfg.run_dir) if "event" in m][0] == "start"
+    assert last_step(cfg.run_dir) == 2
