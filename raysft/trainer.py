@@ -65,13 +65,17 @@ class Trainer:
     """Builds the sharded model, optimizer and data on this worker; `train()` runs to cfg.train.max_steps.
 
     `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
-    which a node of this run will be taken away; the first notice makes the loop checkpoint right away.
+    which a node of this run will be taken away. The loop checkpoints as soon as it hears of it, and once more
+    when the deadline is nearer than two steps and a save, so that only the steps after that are redone.
     """
 
     def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, report: Reporter, ctx: WorkerContext,
                  preemption_deadline: Callable[[], float | None] = lambda: None):
         self.cfg, self.ctx, self.report = cfg, ctx, report
-        self.preemption_deadline, self.preemption_noticed = preemption_deadline, False
+        self.preemption_deadline = preemption_deadline
+        self.deadline: float | None = None  # of an announced preemption
+        self.last_chance_taken = False
+        self.save_s = 0.0  # how long the preemption checkpoint took, to time the last one
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
         self.mesh = build_mesh(mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device)),
@@ -110,13 +114,16 @@ class Trainer:
         metrics: dict = {}
         stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
         while self.state.step < stop:
+            step_start = time.perf_counter()
             metrics = self.train_step()
             self.log.step(self.state.step, metrics)
-            preempted = self._new_preemption_notice()
+            preempted = self._preemption_save_due(time.perf_counter() - step_start)
             if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == stop or preempted:
+                save_start = time.perf_counter()
                 self.save_checkpoint(metrics)
                 if preempted:
                     self.finish_checkpoint()  # durable and reported before the node goes
+                    self.save_s = time.perf_counter() - save_start
             elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
                 self.report({**metrics, "step": self.state.step}, None, self.state.step)
             if self.pending is not None and self._all_ranks(self.pending[0].done()):
@@ -203,18 +210,28 @@ class Trainer:
         self.log.event("checkpoint", step=pending.step, mode=self.checkpoint_mode,
                        blocking_s=round(metrics["save_blocking_s"], 3), reported_at_step=self.state.step)
 
-    def _new_preemption_notice(self) -> bool:
-        """Collective: whether Ray has just announced that a node of this run will be drained. Training goes on
-        after the checkpoint; when the node goes, Ray restarts the workers elsewhere from it."""
-        if self.preemption_noticed:
+    def _preemption_save_due(self, step_s: float) -> bool:
+        """Collective: whether to checkpoint now because Ray has just announced that a node of this run will be
+        drained, or because that deadline is nearer than two more steps and a save. Training goes on after each;
+        when the node goes, Ray restarts the workers elsewhere from the latest."""
+        if self.deadline is None:
+            self.deadline = self.preemption_deadline()
+            if self.deadline is not None:
+                self.log.event("preemption_notice", step=self.state.step, seconds_left=self._seconds_left())
+            return self.deadline is not None
+        if self.last_chance_taken or math.isinf(self.deadline):
             return False
-        deadline = self.preemption_deadline()
-        if deadline is None:
+        if not self._any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
             return False
-        self.preemption_noticed = True
-        self.log.event("preemption_notice", step=self.state.step,
-                       seconds_left=None if math.isinf(deadline) else round(deadline - time.time(), 1))
+        self.last_chance_taken = True
+        self.log.event("preemption_last_checkpoint", step=self.state.step, seconds_left=self._seconds_left())
         return True
+
+    def _seconds_left(self) -> float | None:
+        return None if math.isinf(self.deadline) else round(self.deadline - time.time(), 1)
+
+    def _any_rank(self, flag: bool) -> bool:
+        return not self._all_ranks(not flag)
 
     def _all_ranks(self, flag: bool) -> bool:
         value = torch.tensor([int(flag)], device=self.ctx.device)

@@ -21,6 +21,17 @@ def ray_cluster(tmp_path_factory):
     ray.shutdown()
 
 
+def start_cluster(head_temp_dir, **head_args):
+    """A ray.cluster_utils.Cluster whose head keeps its state in head_temp_dir. Cluster also writes the head's
+    address into Ray's default temp dir (/tmp/ray), which does not exist on a fresh machine: make it first."""
+    from ray._common.utils import get_default_ray_temp_dir
+    from ray.cluster_utils import Cluster
+
+    Path(get_default_ray_temp_dir()).mkdir(parents=True, exist_ok=True)
+    return Cluster(initialize_head=True, head_node_args={"include_dashboard": False, "temp_dir": str(head_temp_dir),
+                                                        **head_args})
+
+
 def tiny_config(tmp_path, **sections):
     """The demo, shrunk to seconds: short sequences, few steps, storage in tmp_path."""
     from raysft.config import load_config

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-from conftest import REPO, run_workers, tiny_config
+from conftest import REPO, run_workers, start_cluster, tiny_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -23,11 +23,7 @@ WORKERS_PER_NODE = 2
 
 @pytest.fixture(scope="module", autouse=True)
 def two_node_cluster(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": WORKERS_PER_NODE, "include_dashboard": False,
-        "temp_dir": str(tmp_path_factory.mktemp("ray"))})
+    cluster = start_cluster(tmp_path_factory.mktemp("ray"), num_cpus=WORKERS_PER_NODE)
     cluster.add_node(num_cpus=WORKERS_PER_NODE)
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}})
     yield cluster
