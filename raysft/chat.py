@@ -1,19 +1,116 @@
-"""Generating an answer from an exported model with the same chat template used in training."""
+"""Talking to a trained model with the chat template it was trained with: one answer, or a multi-turn REPL.
+
+raysft installs the training template on the tokenizer, and every checkpoint and export saves that tokenizer beside
+the weights, so apply_chat_template here renders a conversation exactly as training did. Everything goes through
+ChatModel.reply: `raysft train --prompt`, `raysft chat --prompt` and each REPL turn generate the same way.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from raysft.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError, incomplete_reason, read_trainer_state
+from raysft.hf_export import export
+
+Message = dict[str, str]
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
-@torch.no_grad()
+class ChatModel:
+    """A model and its tokenizer, loaded once; greedy replies to whole conversations."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
+        self.model, self.tokenizer = model.eval(), tokenizer
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ChatModel:
+        """An HF model directory as it is, or a raysft checkpoint: a full one is an HF directory once checked
+        complete; a sharded one is exported to a temporary directory first (export checks it)."""
+        path = Path(path).expanduser()
+        if (path / STATE_FILE).exists() or (path / MANIFEST_FILE).exists():
+            if read_trainer_state(path)["mode"] == "sharded":
+                with tempfile.TemporaryDirectory(prefix="raysft-chat-") as tmp, warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP read in one process
+                    return cls._from_hf_dir(export(path, Path(tmp) / "model"))
+            reason = incomplete_reason(path)
+            if reason:
+                raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
+        elif not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: neither an HF model directory (no config.json) "
+                                    f"nor a raysft checkpoint (no {STATE_FILE})")
+        return cls._from_hf_dir(path)
+
+    @classmethod
+    def _from_hf_dir(cls, path: Path) -> ChatModel:
+        # local_files_only: a path that does not exist must not turn into a hub download
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if not tokenizer.chat_template:
+            raise ValueError(f"{path}: the tokenizer has no chat template (not saved by raysft?)")
+        return cls(AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tokenizer)
+
+    def render(self, messages: list[Message]) -> str:
+        """The text the model sees for its next reply: the conversation and the assistant's turn opening."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    @torch.no_grad()
+    def reply(self, messages: list[Message], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> str:
+        """Greedy: the same conversation always gets the same answer."""
+        inputs = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True)
+        output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=self.tokenizer.pad_token_id,
+                                     eos_token_id=self.tokenizer.eos_token_id)
+        return self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+class Conversation:
+    """The multi-turn history: each turn's prompt is the whole conversation so far, assistant replies included."""
+
+    def __init__(self, model: ChatModel, system: str | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS):
+        self.model, self.system, self.max_new_tokens = model, system, max_new_tokens
+        self.messages: list[Message]
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def ask(self, text: str) -> str:
+        turn = [*self.messages, {"role": "user", "content": text}]
+        answer = self.model.reply(turn, self.max_new_tokens)  # an interrupted reply leaves the history as it was
+        self.messages = [*turn, {"role": "assistant", "content": answer}]
+        return answer
+
+
 def generate_answer(model_dir: str | os.PathLike, prompt: str, max_new_tokens: int = 48) -> str:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
-    output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    """One answer to one user message (what `raysft train --export DIR --prompt` prints)."""
+    return ChatModel.load(model_dir).reply([{"role": "user", "content": prompt}], max_new_tokens)
+
+
+def repl(conversation: Conversation) -> None:
+    """Read user lines from stdin until /exit or end of input; works on a terminal and on piped input alike."""
+    print("raysft: /reset clears the conversation, /exit (or Ctrl-D) quits", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("user> ").strip()
+            except EOFError:
+                print()
+                return
+            if line == "/exit":
+                return
+            if line == "/reset":
+                conversation.reset()
+                print("(conversation cleared)")
+            elif line.startswith("/"):
+                print(f"unknown command {line.split()[0]}: /reset clears the conversation, /exit quits")
+            elif line:
+                print(f"assistant> {conversation.ask(line)}")
+    except KeyboardInterrupt:  # Ctrl-C, at the prompt or during a reply
+        print()

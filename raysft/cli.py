@@ -1,15 +1,19 @@
-"""`raysft` command line: a thin layer over the Python API (raysft.train, raysft.export)."""
+"""`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from raysft.chat import generate_answer
+import transformers
+
+from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest
 from raysft.hf_export import DEFAULT_SHARD_BYTES, export
 from raysft.launch import train
+from raysft.metrics import METRICS_FILE
+from raysft.report import draw, read_curves
 from raysft.tokenizer import load_tokenizer
 
 
@@ -36,8 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     p_export.add_argument("--max-shard-mb", type=int, default=DEFAULT_SHARD_BYTES // 2**20,
                           help="largest safetensors shard; more weights than this are split with an index")
+    p_chat = sub.add_parser("chat", help="talk to an exported model or a checkpoint, with its training chat template")
+    p_chat.add_argument("model_dir", help="HF model directory, or a raysft checkpoint (<run>/checkpoint_<step>)")
+    p_chat.add_argument("--prompt", help="print the answer to PROMPT and exit (default: a REPL on stdin)")
+    p_chat.add_argument("--system", help="system message opening the conversation")
+    p_chat.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p_report = sub.add_parser("report", help=f"plot a run's loss and tokens/s from its {METRICS_FILE}")
+    p_report.add_argument("run_dir")
+    p_report.add_argument("--out", metavar="FILE.png", help="where to write the plot (default: RUN_DIR/report.png)")
     args = parser.parse_args(argv)
-    if getattr(args, "prompt", None) and not args.export:
+    if args.command == "train" and args.prompt and not args.export:
         parser.error("--prompt needs --export DIR")
 
     try:
@@ -46,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
                          max_shard_bytes=args.max_shard_mb * 2**20)
             print(f"raysft: exported {out}")
             return 0
+        if args.command == "chat":
+            return _chat(args.model_dir, args.prompt, args.system, args.max_new_tokens)
+        if args.command == "report":
+            return _report(args.run_dir, args.out)
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
             return _prepare(config)
@@ -76,6 +92,25 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
         print(f"raysft: exported {out}")
         if prompt:
             print(f"user: {prompt}\nassistant: {generate_answer(out, prompt)}")
+    return 0
+
+
+def _chat(model_dir: str, prompt: str | None, system: str | None, max_new_tokens: int) -> int:
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar before the first prompt
+    conversation = Conversation(ChatModel.load(model_dir), system, max_new_tokens)
+    if prompt is not None:
+        print(conversation.ask(prompt))
+    else:
+        repl(conversation)
+    return 0
+
+
+def _report(run_dir: str, out: str | None) -> int:
+    curves = read_curves(run_dir)
+    png = draw(curves, out or curves.path.parent / "report.png")
+    print(f"raysft: report {png}\nraysft: {curves.summary()}")
+    if curves.unreadable_lines:
+        print(f"raysft: skipped {curves.unreadable_lines} unreadable lines of {curves.path}", file=sys.stderr)
     return 0
 
 

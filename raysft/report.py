@@ -1,0 +1,87 @@
+"""A run's curves from its metrics.jsonl: loss and throughput against step in one PNG, with resumes and checkpoints.
+
+matplotlib is an optional dependency (`pip install 'raysft[report]'`), imported only when drawing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raysft.metrics import METRICS_FILE
+
+
+@dataclass
+class RunCurves:
+    path: Path  # the metrics file
+    steps: dict[int, dict] = field(default_factory=dict)  # step -> its row, in step order
+    events: list[dict] = field(default_factory=list)
+    unreadable_lines: int = 0  # a line cut short by a killed process
+
+    def summary(self) -> str:
+        rows = list(self.steps.values())
+        resumes = sum(e["event"] == "resume" for e in self.events)
+        checkpoints = sum(e["event"] == "checkpoint" for e in self.events)
+        return (f"{len(rows)} steps (last {rows[-1]['step']}), final loss {rows[-1]['loss']:.4f}, "
+                f"median {statistics.median(r['tokens_per_s'] for r in rows):.0f} tokens/s, "
+                f"checkpoints {checkpoints}, resumes {resumes}")
+
+
+def read_curves(run_dir: str | os.PathLike) -> RunCurves:
+    """One row per step: a resume from step s drops the rows after s that the failed attempt wrote, and a step
+    written twice keeps its later row, so the curves are those of the run's surviving history."""
+    curves = RunCurves(Path(run_dir).expanduser() / METRICS_FILE)
+    if not curves.path.is_file():
+        raise FileNotFoundError(f"{curves.path}: no metrics file (is {curves.path.parent} a raysft run directory?)")
+    steps: dict[int, dict] = {}
+    for line in curves.path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            curves.unreadable_lines += 1
+            continue
+        if row is None:
+            continue
+        if "event" in row:
+            curves.events.append(row)
+            if row["event"] == "resume":
+                steps = {s: r for s, r in steps.items() if s <= row["step"]}
+        elif "step" in row:
+            steps[row["step"]] = row
+    if not steps:
+        raise ValueError(f"{curves.path}: no training steps recorded")
+    curves.steps = dict(sorted(steps.items()))
+    return curves
+
+
+def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
+    """Loss (top) and tokens/s (bottom) against step; dashed red lines at resumes, dotted grey at checkpoints."""
+    try:
+        from matplotlib.figure import Figure  # a bare Figure renders with Agg: no pyplot, no display needed
+    except ImportError as e:
+        raise RuntimeError("drawing the report needs matplotlib: pip install 'raysft[report]'") from e
+    out = Path(out).expanduser()
+    steps = list(curves.steps)
+    fig = Figure(figsize=(9, 6), layout="constrained")
+    loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
+    loss_ax.plot(steps, [r["loss"] for r in curves.steps.values()], color="tab:blue")
+    loss_ax.set_ylabel("loss")
+    speed_ax.plot(steps, [r["tokens_per_s"] for r in curves.steps.values()], color="tab:green")
+    speed_ax.set_ylabel("tokens/s")
+    speed_ax.set_xlabel("step")
+    marks = {"checkpoint": {"color": "grey", "linestyle": ":"}, "resume": {"color": "tab:red", "linestyle": "--"}}
+    for ax in (loss_ax, speed_ax):
+        ax.grid(alpha=0.3)
+        for e in curves.events:
+            if e["event"] in marks:
+                ax.axvline(e["step"], linewidth=1, label=e["event"], **marks[e["event"]])
+    handles = {label: h for h, label in zip(*loss_ax.get_legend_handles_labels(), strict=True)}  # one per kind
+    if handles:
+        loss_ax.legend(handles.values(), handles.keys(), loc="upper right", fontsize=8)
+    loss_ax.set_title(f"{curves.path.parent.name}: {curves.summary()}", fontsize=9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

@@ -1,0 +1,164 @@
+"""`raysft chat` and `raysft report` on a run trained for real: 6 steps with full checkpoints, then the same run
+continued to step 9 with sharded ones (a resume, which the report marks)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO
+
+from raysft.chat import ChatModel, Conversation, generate_answer
+from raysft.config import ModelConfig
+from raysft.hf_export import export
+from raysft.report import read_curves
+from raysft.tokenizer import load_tokenizer
+
+Q1, Q2 = "What is the capital of France?", "And of Spain?"
+TOKENS = "24"  # --max-new-tokens: enough to tell answers apart, cheap on 2 cores
+
+
+def raysft(*args, env, input=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "raysft", *args], env=env, cwd=REPO, input=input,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    short = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths must stay short
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": short}
+    common = ["train", "jobs/configs/demo.yaml", "--set", "data.max_seq_len=96", "--set", "checkpoint.every_n_steps=3",
+              "--set", "checkpoint.keep=3", "--set", f"run.storage_path={root}", "--set", "run.name=chat"]
+    try:
+        for extra in (["--set", "train.max_steps=6", "--set", "checkpoint.mode=full"],
+                      ["--set", "train.max_steps=9", "--set", "checkpoint.mode=sharded"]):
+            out = raysft(*common, *extra, env=env)
+            assert out.returncode == 0, out.stderr[-3000:]
+        run_dir = root / "chat"
+        full, sharded = run_dir / "checkpoint_00000006", run_dir / "checkpoint_00000009"
+        assert (full / "model.safetensors").is_file() and list(sharded.glob("*.distcp"))
+        yield SimpleNamespace(dir=run_dir, env=env, full=full, sharded=sharded,
+                              full_hf=export(full, root / "hf6"), sharded_hf=export(sharded, root / "hf9"))
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+@pytest.mark.parametrize("source", ["full", "sharded", "full_hf"])
+def test_chat_prompt_answers_like_generate_answer_on_the_exported_model(run, source):
+    out = raysft("chat", str(getattr(run, source)), "--prompt", Q1, "--max-new-tokens", TOKENS, env=run.env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    exported = run.sharded_hf if source == "sharded" else run.full_hf
+    assert out.stdout.strip() and out.stdout.strip() == generate_answer(exported, Q1, max_new_tokens=int(TOKENS))
+
+
+def test_conversation_renders_the_history_with_the_training_template(run):
+    model = ChatModel.load(run.sharded_hf)
+    training_tokenizer = load_tokenizer(ModelConfig(), "auto")  # what the run rendered its data with
+    assert model.tokenizer.chat_template == training_tokenizer.chat_template
+
+    chat = Conversation(model, system="Answer briefly.", max_new_tokens=int(TOKENS))
+    a1 = chat.ask(Q1)
+    history = [*chat.messages, {"role": "user", "content": Q2}]
+    rendered = model.render(history)
+    assert rendered == training_tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    assert rendered.index("Answer briefly.") < rendered.index(Q1) < rendered.index(a1) < rendered.index(Q2)
+    chat.ask(Q2)
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "user", "assistant"]
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": "Answer briefly."}]
+
+
+def test_repl_over_piped_stdin_keeps_the_history_resets_and_exits(run):
+    model = ChatModel.load(run.sharded_hf)
+    chat = Conversation(model, max_new_tokens=int(TOKENS))
+    a1, a2 = chat.ask(Q1), chat.ask(Q2)
+    fresh = model.reply([{"role": "user", "content": Q2}], int(TOKENS))
+    assert a2 != fresh  # so the REPL's second answer below shows it saw the first turn
+
+    out = raysft("chat", str(run.sharded), "--max-new-tokens", TOKENS, env=run.env,
+                 input=f"{Q1}\n{Q2}\n/reset\n{Q2}\n/exit\n{Q1}\n")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == (f"user> assistant> {a1}\nuser> assistant> {a2}\nuser> (conversation cleared)\n"
+                          f"user> assistant> {fresh}\nuser> ")  # nothing after /exit
+
+    eof = raysft("chat", str(run.full_hf), "--max-new-tokens", TOKENS, env=run.env, input=f"{Q1}\n")
+    assert eof.returncode == 0, eof.stderr[-3000:]
+    assert eof.stdout == f"user> assistant> {generate_answer(run.full_hf, Q1, int(TOKENS))}\nuser> \n"
+
+
+def test_chat_refuses_an_incomplete_checkpoint_naming_it(run, tmp_path):
+    no_manifest = tmp_path / "full"
+    shutil.copytree(run.full, no_manifest)
+    (no_manifest / "manifest.json").unlink()
+    out = raysft("chat", str(no_manifest), "--prompt", Q1, env=run.env)
+    assert out.returncode == 1
+    assert f"{no_manifest}: incomplete checkpoint: no manifest.json" in out.stderr
+
+    truncated = tmp_path / "sharded"
+    shutil.copytree(run.sharded, truncated)
+    shard = truncated / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    out = raysft("chat", str(truncated), "--prompt", Q1, env=run.env)
+    assert out.returncode == 1
+    assert f"{truncated}: incomplete checkpoint: __1_0.distcp has 100 bytes" in out.stderr
+
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path}: neither an HF model directory")):
+        ChatModel.load(tmp_path)
+
+
+def test_report_draws_loss_and_throughput_of_the_run(run, tmp_path):
+    import matplotlib.image
+
+    out = raysft("report", str(run.dir), env=run.env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    png = run.dir / "report.png"
+    rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
+    final_loss = [r for r in rows if r.get("step") == 9 and "event" not in r][-1]["loss"]
+    assert f"raysft: report {png}\n" in out.stdout
+    assert f"9 steps (last 9), final loss {final_loss:.4f}, median " in out.stdout
+    assert "checkpoints 3, resumes 1" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert matplotlib.image.imread(png).shape == (600, 900, 4)  # figsize 9 x 6 at 100 dpi, RGBA
+
+    elsewhere = tmp_path / "plots" / "curves.png"
+    out = raysft("report", str(run.dir), "--out", str(elsewhere), env=run.env)
+    assert out.returncode == 0 and f"raysft: report {elsewhere}\n" in out.stdout and elsewhere.is_file()
+
+
+def test_report_keeps_the_surviving_history_after_a_resume(tmp_path):
+    def step(s, loss):
+        return json.dumps({"step": s, "time": 0, "loss": loss, "tokens_per_s": 100.0 * s})
+
+    # steps 1-5, a crash (and a line cut short), a resume from the checkpoint at 3 that ran to step 4 only
+    lines = [json.dumps({"event": "start"}), *(step(s, 10 - s) for s in range(1, 6)), '{"step": 6, "lo',
+             json.dumps({"event": "checkpoint", "step": 3}), json.dumps({"event": "resume", "step": 3}), step(4, 0.5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    curves = read_curves(tmp_path)
+    assert {s: r["loss"] for s, r in curves.steps.items()} == {1: 9, 2: 8, 3: 7, 4: 0.5}
+    assert curves.unreadable_lines == 1
+    assert curves.summary() == "4 steps (last 4), final loss 0.5000, median 250 tokens/s, checkpoints 1, resumes 1"
+
+
+def test_report_without_metrics_fails_naming_the_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = raysft("report", str(tmp_path), env=env)
+    assert out.returncode == 1 and f"{tmp_path / 'metrics.jsonl'}: no metrics file" in out.stderr
+    assert not (tmp_path / "report.png").exists()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "start"}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'metrics.jsonl'}: no training steps recorded")):
+        read_curves(tmp_path)
+
+
+def test_report_without_matplotlib_says_how_to_install_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "tokens_per_s": 1.0}) + "\n")
+    block = "import sys; sys.modules['matplotlib'] = None; from raysft.cli import main; "  # its import now fails
+    out = subprocess.run([sys.executable, "-c", block + f"sys.exit(main(['report', {str(tmp_path)!r}]))"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1 and "pip install 'raysft[report]'" in out.stderr
+    assert not (tmp_path / "report.png").exists()
