@@ -1,0 +1,306 @@
+"""The cluster definitions stay usable: every YAML parses, the AWS launcher config passes Ray's own schema, the
+KubeRay manifests pass (a trimmed copy of) KubeRay's CRD schema, the job configs load and their memory headers
+match the models, and cluster/local.sh starts a real 2-node cluster with token auth and stops only what it
+started."""
+
+import copy
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from raysft.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER = REPO / "cluster"
+CONFIGS = REPO / "jobs" / "configs"
+LOCAL_SH = CLUSTER / "local.sh"
+YAMLS = sorted([*CLUSTER.glob("*.yaml"), *CONFIGS.glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.name)
+def test_every_yaml_parses(path):
+    docs = list(yaml.safe_load_all(path.read_text()))
+    assert docs and all(isinstance(d, dict) for d in docs), f"{path}: every document must be a mapping"
+
+
+# --- AWS: Ray's cluster launcher -----------------------------------------------------------------------------
+
+
+def aws_config() -> dict:
+    return yaml.safe_load((CLUSTER / "aws-gpu.yaml").read_text())
+
+
+def validate_like_ray_up(config: dict) -> None:
+    """What `ray up` does before launching anything: merge the provider's defaults, check ray-schema.json."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(copy.deepcopy(config)))
+
+
+def test_aws_config_passes_rays_schema():
+    validate_like_ray_up(aws_config())
+
+
+@pytest.mark.parametrize("where", ["top level", "GPU node type", "auth"])
+def test_rays_schema_check_rejects_an_unknown_field(where):
+    config = aws_config()
+    {"top level": config, "GPU node type": config["available_node_types"]["ray.worker.gpu"],
+     "auth": config["auth"]}[where]["bogus_field"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="bogus_field"):
+        validate_like_ray_up(config)
+
+
+def test_aws_cluster_has_token_auth_and_no_public_dashboard():
+    c = aws_config()
+    head, workers = " ".join(c["head_start_ray_commands"]), " ".join(c["worker_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token ray start --head" in head
+    assert "RAY_AUTH_MODE=token ray start --address" in workers
+    assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
+    assert c["file_mounts"]["/home/ubuntu/.ray/auth_token"] == "~/.ray/auth_token"
+    assert c["available_node_types"][c["head_node_type"]]["resources"] == {"CPU": 0}
+    ssh_rules = c["provider"]["security_group"]["IpPermissions"]
+    assert [(r["FromPort"], r["ToPort"]) for r in ssh_rules] == [(22, 22)]  # nothing but SSH from outside
+    assert all(ip["CidrIp"] != "0.0.0.0/0" for r in ssh_rules for ip in r["IpRanges"])
+
+
+# --- KubeRay: RayJob / RayCluster against the CRD's openAPIV3Schema ----------------------------------------------
+
+
+def crd_schemas() -> dict[str, dict]:
+    subset = yaml.safe_load((REPO / "tests" / "data" / "kuberay_crd_subset.yaml").read_text())
+    schemas = {kind: {**subset[key], "$defs": subset["$defs"]} for kind, key in
+               (("RayJob", "rayjob"), ("RayCluster", "raycluster"))}
+    for schema in schemas.values():
+        jsonschema.Draft202012Validator.check_schema(schema)
+    return schemas
+
+
+def kuberay_docs() -> list[tuple[str, dict]]:
+    return [(p.name, d) for p in sorted(CLUSTER.glob("kuberay-*.yaml")) for d in yaml.safe_load_all(p.read_text())]
+
+
+def validate_crd(doc: dict) -> None:
+    jsonschema.validate(doc, crd_schemas()[doc["kind"]], cls=jsonschema.Draft202012Validator)
+
+
+def the(kind: str) -> dict:
+    (doc,) = [d for _, d in kuberay_docs() if d["kind"] == kind]
+    return copy.deepcopy(doc)
+
+
+def test_kuberay_manifests_pass_the_crd_schema():
+    kinds = set()
+    for name, doc in kuberay_docs():
+        if doc["apiVersion"] == "ray.io/v1":
+            validate_crd(doc)
+            kinds.add(doc["kind"])
+        else:  # the objects a RayJob needs beside it: nothing else may slip in unchecked
+            assert (doc["apiVersion"], doc["kind"]) in {("v1", "PersistentVolumeClaim"), ("v1", "ServiceAccount")}, name
+    assert kinds == {"RayJob", "RayCluster"}
+
+
+@pytest.mark.parametrize("path", [
+    ("spec",),
+    ("spec", "rayClusterSpec"),
+    ("spec", "rayClusterSpec", "headGroupSpec"),
+    ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0),
+    ("spec", "rayClusterSpec", "workerGroupSpecs", 0),
+    ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "volumes", 0),
+], ids=lambda p: ".".join(map(str, p)))
+def test_crd_schema_rejects_an_unknown_field(path):
+    rayjob = the("RayJob")
+    node = rayjob
+    for key in path:
+        node = node[key]
+    node["bogusField"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="bogusField"):
+        validate_crd(rayjob)
+
+
+def test_crd_schema_rejects_wrong_types_enums_and_missing_required_fields():
+    for change in (lambda j: j["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].update(replicas="two"),
+                   lambda j: j["spec"]["rayClusterSpec"]["authOptions"].update(mode="password"),
+                   lambda j: j["spec"]["rayClusterSpec"]["workerGroupSpecs"][0].pop("groupName"),
+                   lambda j: j["spec"].update(shutdownAfterJobFinishes="yes")):
+        rayjob = the("RayJob")
+        change(rayjob)
+        with pytest.raises(jsonschema.ValidationError):
+            validate_crd(rayjob)
+
+
+def test_rayjob_runs_the_8b_config_on_as_many_gpus_as_it_has_workers():
+    spec = the("RayJob")["spec"]
+    assert spec["entrypoint"] == "python jobs/sft.py jobs/configs/llama3-8b-2x8-hsdp.yaml"
+    assert spec["shutdownAfterJobFinishes"] is True
+    cluster = spec["rayClusterSpec"]
+    config = load_config(REPO / spec["entrypoint"].split()[-1])
+    (group,) = cluster["workerGroupSpecs"]
+    gpus = group["replicas"] * int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus == config.scaling.num_workers and config.scaling.use_gpu
+
+
+@pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
+def test_kuberay_cluster_has_token_auth_and_no_public_dashboard(kind):
+    doc = the(kind)
+    cluster = doc["spec"]["rayClusterSpec"] if kind == "RayJob" else doc["spec"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    major, minor, _ = map(int, cluster["rayVersion"].split("."))
+    assert (major, minor) >= (2, 52)  # KubeRay refuses token auth below Ray 2.52
+    head = cluster["headGroupSpec"]
+    assert head["serviceType"] == "ClusterIP" and not head.get("enableIngress", False)
+
+
+# --- jobs/configs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_job_config_loads(path):
+    load_config(path)
+
+
+def test_llama3_8b_config_is_hsdp_on_2x8_gpus():
+    c = load_config(CONFIGS / "llama3-8b-2x8-hsdp.yaml")
+    assert (c.scaling.num_workers, c.scaling.use_gpu) == (16, True)
+    assert (c.parallel.sharding, c.parallel.hsdp_shard_size) == ("HYBRID_SHARD", 8)
+    assert (c.parallel.mixed_precision, c.parallel.activation_checkpointing) == ("bf16", "full")
+    assert (c.checkpoint.mode, c.checkpoint.async_save) == ("sharded", True)
+    assert c.run.storage_path.startswith("s3://") and c.data.max_seq_len == 4096
+    assert c.model.path == "/mnt/shared/models/Meta-Llama-3.1-8B-Instruct"
+
+
+def test_llama3_70b_config_is_full_shard_on_4x8_gpus():
+    c = load_config(CONFIGS / "llama3-70b-4x8.yaml")
+    assert (c.scaling.num_workers, c.scaling.use_gpu, c.parallel.sharding) == (32, True, "FULL_SHARD")
+    assert (c.parallel.mixed_precision, c.parallel.activation_checkpointing) == ("bf16", "full")
+    assert (c.checkpoint.mode, c.checkpoint.async_save) == ("sharded", True)
+    assert c.run.storage_path.startswith("s3://")
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-2x8-hsdp.yaml", "llama3-70b-4x8.yaml"])
+def test_memory_header_matches_the_model_and_the_sharding(name):
+    """The header's P is the parameter count of the architecture it names, and the per-GPU model state
+    (16 B/param over the shard group) is the one the config's sharding gives."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = CONFIGS / name
+    header = " ".join(line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    dims = re.search(r"hidden (\d+), (\d+) layers, MLP (\d+), (\d+) heads / (\d+) KV heads, vocab (\d+)", header)
+    hidden, layers, mlp, heads, kv_heads, vocab = map(int, dims.groups())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(
+            hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=False))
+    params = sum(p.numel() for p in model.parameters())
+    assert f"P = {params:,} parameters" in header
+
+    c = load_config(path)
+    group = c.parallel.hsdp_shard_size if c.parallel.sharding == "HYBRID_SHARD" else c.scaling.num_workers
+    state = re.search(r"16 x P / (\d+) \.+ ([\d.]+) GB", header)
+    assert int(state.group(1)) == group
+    assert state.group(2) == f"{16 * params / group / 1e9:.2f}"
+
+
+# --- cluster/local.sh, for real -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def recorded_pids(state: Path) -> list[int]:
+    return [int(p) for p in (state / "pids").read_text().split()] if (state / "pids").exists() else []
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent (init) to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def http_status(url: str, token: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:  # straight to 127.0.0.1, whatever http_proxy says
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture
+def local_cluster():
+    # A short state dir: Ray's socket paths under --temp-dir are limited to ~107 bytes.
+    state = Path(tempfile.mkdtemp(prefix="rsl", dir="/tmp"))
+    ports = {"RAYSFT_LOCAL_PORT": free_port(), "RAYSFT_LOCAL_DASHBOARD_PORT": free_port(),
+             "RAYSFT_LOCAL_CLIENT_PORT": free_port()}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
+    env.update({k: str(v) for k, v in ports.items()}, RAYSFT_LOCAL_DIR=str(state), RAYSFT_LOCAL_CPUS="1")
+    try:
+        yield state, env, ports
+    finally:
+        # Whatever happened: local.sh's own stop, then SIGKILL to any PID it recorded that still runs. By PID
+        # only; never `ray stop`, which would end every Ray process of the machine.
+        subprocess.run([str(LOCAL_SH), "stop"], env=env, timeout=180, capture_output=True)
+        for pid in recorded_pids(state):
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.timeout(600)
+def test_local_sh_runs_a_2_node_cluster_with_token_auth_and_stops_only_its_processes(local_cluster):
+    state, env, ports = local_cluster
+    # A bystander named like a Ray process: `ray stop` would kill it, local.sh stop must not.
+    fake_raylet = state / "raylet"
+    shutil.copy("/bin/sleep", fake_raylet)
+    bystander = subprocess.Popen([str(fake_raylet), "600"])
+    try:
+        started = subprocess.run([str(LOCAL_SH), "start", "1"], env=env, timeout=300, capture_output=True, text=True)
+        assert started.returncode == 0, started.stdout + started.stderr
+        dashboard = f"http://127.0.0.1:{ports['RAYSFT_LOCAL_DASHBOARD_PORT']}"
+        assert f"ray job submit --address {dashboard} --working-dir . -- python jobs/sft.py" in started.stdout
+        assert [line.split()[0] for line in (state / "sessions").read_text().splitlines()] == ["head", "worker1"]
+        pids = recorded_pids(state)
+        assert pids and all(running(p) for p in pids)
+
+        token_path = state / "auth_token"
+        token = token_path.read_text().strip()
+        assert http_status(f"{dashboard}/api/jobs/") == 401  # the job API wants the token
+        assert http_status(f"{dashboard}/api/jobs/", token) == 200
+
+        count = ("import ray; ray.init(address='127.0.0.1:{}', logging_level='ERROR'); "
+                 "print('alive nodes:', sum(n['Alive'] for n in ray.nodes()))").format(ports["RAYSFT_LOCAL_PORT"])
+        nodes = subprocess.run([sys.executable, "-c", count], timeout=180, capture_output=True, text=True,
+                               env={**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)})
+        assert "alive nodes: 2" in nodes.stdout, nodes.stdout + nodes.stderr
+
+        stopped = subprocess.run([str(LOCAL_SH), "stop"], env=env, timeout=180, capture_output=True, text=True)
+        assert stopped.returncode == 0 and "stopped the cluster" in stopped.stdout, stopped.stdout + stopped.stderr
+        assert not (state / "mark").exists()
+        deadline = time.monotonic() + 30  # SIGKILLed processes may wait a moment for init to reap them
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert [p for p in pids if running(p)] == []
+        assert bystander.poll() is None, "local.sh stop killed a process it did not start"
+        again = subprocess.run([str(LOCAL_SH), "stop"], env=env, timeout=60, capture_output=True, text=True)
+        assert again.returncode == 0 and "nothing to stop" in again.stdout
+    finally:
+        bystander.kill()
+        bystander.wait()
