@@ -42,6 +42,9 @@ class DataConfig:
     """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
     max_seq_len: int = 512
     on_bad_record: Literal["error", "skip"] = "error"
+    packing: bool = False
+    """Padding-free batches: each micro-batch is one row of its samples back to back, with position_ids restarting
+    at every sample so that attention stays inside it. Same samples and loss as padded batches, no pad tokens."""
     store_dir: str = ""
     """Where the tokenized parquet store lives; empty: `<run.storage_path>/datasets`."""
 

@@ -72,15 +72,31 @@ def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int, mic
     return [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
 
 
-def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sequence in this micro-batch (not to max_seq_len)."""
-    longest = max(len(dataset.input_ids[i]) for i in indices)
+def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence in this micro-batch (not to max_seq_len); with `packing`, one row of the
+    samples back to back instead, no padding at all.
+
+    Packed, each sample's position_ids restart at 0. transformers reads those restarts as sequence boundaries and
+    masks attention across them (there is no attention_mask), and the label of each sample's first token is
+    ignored, so no token learns from the sample before it: the loss is that of the padded batch.
+    """
+    rows = [dataset.input_ids[i] for i in indices]
+    if packing:
+        labels = [[IGNORE_INDEX, *dataset.labels[i][1:]] for i in indices]
+        return {"input_ids": torch.tensor([sum(rows, [])]), "labels": torch.tensor([sum(labels, [])]),
+                "position_ids": torch.cat([torch.arange(len(r)) for r in rows])[None]}
+    longest = max(len(r) for r in rows)
     input_ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(indices), longest), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((len(indices), longest), dtype=torch.long)
-    for row, i in enumerate(indices):
-        n = len(dataset.input_ids[i])
-        input_ids[row, :n] = torch.tensor(dataset.input_ids[i])
-        labels[row, :n] = torch.tensor(dataset.labels[i])
-        attention_mask[row, :n] = 1
+    for row, (i, ids) in enumerate(zip(indices, rows, strict=True)):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(ids)] = torch.tensor(dataset.labels[i])
+        attention_mask[row, : len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def num_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's real (non-padding) tokens."""
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())

@@ -30,7 +30,14 @@ from raysft.checkpoint import (
 )
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX
-from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
+from raysft.dataloader import (
+    DataCursor,
+    GlobalBatchSampler,
+    TokenizedDataset,
+    collate,
+    num_tokens,
+    rank_micro_batches,
+)
 from raysft.metrics import MetricsLogger, peak_memory_gb
 from raysft.model import build_meta_model, load_initial_weights, load_model_config, materialize
 from raysft.optim import build_lr_scheduler, build_optimizer
@@ -146,16 +153,16 @@ class Trainer:
         loss_sum = torch.zeros((), device=ctx.device)
         tokens = torch.zeros((), device=ctx.device)
         for i, indices in enumerate(micro_batches):
-            batch = collate(self.dataset, indices, self.tokenizer.pad_token_id)
+            batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
+            tokens += num_tokens(batch)
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
+            labels = batch.pop("labels")
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per optimizer step
-            logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                use_cache=False).logits  # no KV cache in training; the exported config keeps it
-            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+            logits = self.model(**batch, use_cache=False).logits  # no KV cache in training; the export keeps it
+            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="sum")
             self.scaler.scale(ce * ctx.world_size / loss_tokens).backward()
             loss_sum += ce.detach()
-            tokens += batch["attention_mask"].sum()
         loss_scale = self.scaler.get_scale()
         with warnings.catch_warnings():  # the scaler's found-inf flag meets DTensor grads: harmless notice
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
@@ -175,7 +182,8 @@ class Trainer:
         peak_mem = torch.tensor(peak_memory_gb(ctx.device), device=ctx.device)
         dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
         metrics = {"loss": totals[0].item() / loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens_per_s": totals[1].item() / (time.perf_counter() - start), "epoch": self.state.cursor.epoch,
+                   "tokens": int(totals[1].item()), "tokens_per_s": totals[1].item() / (time.perf_counter() - start),
+                   "epoch": self.state.cursor.epoch,
                    "peak_mem_gb": round(peak_mem.item(), 4)}
         if self.scaler.is_enabled():
             metrics.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)

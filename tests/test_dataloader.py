@@ -36,3 +36,37 @@ def test_ranks_partition_the_global_batch_into_micro_batches():
 def test_too_little_data_is_an_error():
     with pytest.raises(ValueError, match="fewer than train.global_batch_size"):
         GlobalBatchSampler(5, 8, DataCursor(seed=0))
+
+
+def test_a_packed_micro_batch_has_the_loss_of_the_padded_one_and_no_attention_across_samples():
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raysft.dataloader import collate, num_tokens
+
+    gen = torch.Generator().manual_seed(0)
+
+    class Samples:
+        input_ids = [torch.randint(1, 100, (n,), generator=gen).tolist() for n in (7, 12, 3, 9)]
+        labels = [[-100, -100, *ids[2:]] for ids in input_ids]
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+
+    def loss(batch):
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+
+    padded, packed = collate(Samples, np.arange(4), 0), collate(Samples, np.arange(4), 0, packing=True)
+    assert packed["input_ids"].shape == (1, 31) and "attention_mask" not in packed
+    assert packed["position_ids"][0, 7:9].tolist() == [0, 1]  # the second sample starts over
+    assert num_tokens(padded) == num_tokens(packed) == 31
+    leaky = {**packed, "position_ids": torch.arange(31)[None]}  # as if the samples were one sequence
+    with torch.no_grad():
+        reference = loss(padded)
+        torch.testing.assert_close(loss(packed), reference)
+        assert not torch.allclose(loss(leaky), reference)  # without the restarts, samples attend to each other
