@@ -22,6 +22,9 @@ def add_model_args(parser: argparse.ArgumentParser, workers: int) -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP width; 0: 8/3 × hidden, rounded to 64")
+    parser.add_argument("--vocab", type=int, default=0, help="embedding rows; 0: the tokenizer's size")
+    parser.add_argument("--data", default="builtin:demo", help="conversation file(s), comma-separated")
     parser.add_argument("--gpu", action="store_true")
 
 
@@ -40,15 +43,18 @@ class Setup:
         self.work = Path(tempfile.mkdtemp(prefix=f"raysft-bench-{name}-"))
         model_dir = self.work / "model"
         self.common = [f"model.config={model_dir}", f"data.max_seq_len={args.seq_len}",
+                       f"data.paths=[{','.join(str(Path(p).resolve()) if ':' not in p else p for p in args.data.split(','))}]",
+                       f"scaling.use_gpu={str(args.gpu).lower()}",
                        f"run.storage_path={self.work}", f"scaling.num_workers={args.workers}",
                        f"train.micro_batch_size={args.micro_batch}",
                        f"train.global_batch_size={args.micro_batch * args.workers}"]
         base = load_config(None, self.common)
         tokenizer = load_tokenizer(base.model, base.data.chat_template)
-        model_config = LlamaConfig(
-            hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        self.model_config = model_config = LlamaConfig(
+            hidden_size=args.hidden, intermediate_size=args.intermediate or args.hidden * 8 // 3 // 64 * 64,
             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-            num_key_value_heads=max(1, args.hidden // 256), vocab_size=len(tokenizer), tie_word_embeddings=False,
+            num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab or len(tokenizer),
+            tie_word_embeddings=False, max_position_embeddings=max(2048, args.seq_len),
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         model_config.save_pretrained(model_dir)
         with torch.device("meta"):
@@ -84,10 +90,15 @@ def write_rank_result(loop: dict, rank: int, result: dict) -> None:
 
 
 def save_results(path: str, args: argparse.Namespace, results: list[dict], table: str) -> None:
+    """Print the table; write it as markdown beside the JSON of every number, with the command and versions."""
     print(table)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    command = " ".join(["python", *sys.argv])
+    env = environment()
+    out.write_text(json.dumps({"command": command, "environment": env, "args": vars(args), "results": results},
+                              indent=1))
+    out.with_suffix(".md").write_text(f"```\n{command}\n```\n\n{json.dumps(env)}\n\n{table}\n")
     print(f"bench: wrote {out}", file=sys.stderr)
 
 
@@ -125,3 +136,17 @@ def trim_heap() -> None:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def environment() -> dict:
+    """The machine and versions a result was measured with."""
+    import platform
+    from importlib.metadata import version
+
+    import torch
+
+    env = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+           **{name: version(name) for name in ("torch", "ray", "transformers")}}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
