@@ -42,8 +42,9 @@ class Setup:
         self.args = args
         self.work = Path(tempfile.mkdtemp(prefix=f"raysft-bench-{name}-"))
         model_dir = self.work / "model"
+        paths = [p if p.startswith("builtin:") else str(Path(p).resolve()) for p in args.data.split(",")]
         self.common = [f"model.config={model_dir}", f"data.max_seq_len={args.seq_len}",
-                       f"data.paths=[{','.join(str(Path(p).resolve()) if ':' not in p else p for p in args.data.split(','))}]",
+                       f"data.paths=[{','.join(paths)}]",
                        f"scaling.use_gpu={str(args.gpu).lower()}",
                        f"run.storage_path={self.work}", f"scaling.num_workers={args.workers}",
                        f"train.micro_batch_size={args.micro_batch}",

@@ -70,7 +70,8 @@ def run_hf(setup: Setup, name: str) -> list[dict]:
     rows, previous = [], 0
     for step_rows in zip(*ranks, strict=True):
         total = sum(r["tokens"] for r in step_rows)
-        rows.append({"step": step_rows[0]["step"], "time": max(r["time"] for r in step_rows), "tokens": total - previous})
+        rows.append({"step": step_rows[0]["step"], "time": max(r["time"] for r in step_rows),
+                     "tokens": total - previous})
         previous = total
     return rows
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import transformers
@@ -12,7 +13,7 @@ from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest
 from raysft.hf_export import DEFAULT_SHARD_BYTES, export
 from raysft.launch import train
-from raysft.metrics import METRICS_FILE
+from raysft.metrics import METRICS_FILE, ProgressBar
 from raysft.report import draw, read_curves
 from raysft.tokenizer import load_tokenizer
 
@@ -82,7 +83,9 @@ def _prepare(config: TrainConfig) -> int:
 
 
 def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str | None) -> int:
-    result = train(config, fresh=fresh)
+    interactive = sys.stderr.isatty()  # a bar with ETA on a terminal; logs get the workers' plain lines
+    with ProgressBar(config.run_dir, config.train.max_steps) if interactive else contextlib.nullcontext():
+        result = train(config, fresh=fresh)
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run.name} finished without a checkpoint in {config.run_dir}")
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")

@@ -1,6 +1,9 @@
 """Rank 0's per-step metrics: one JSON line per step in the run directory, and a progress line in the log.
 
 ray.train.report is a slow barrier, so per-step numbers are written here and Ray only sees checkpoint-time ones.
+Model FLOPs utilization (MFU) counts 6 FLOPs per matmul parameter per token plus 12 · layers · hidden · n for
+attention over a sample of n tokens (PaLM's formula; embedding lookups are free), against the device's dense
+peak for the compute dtype where it is known.
 """
 
 from __future__ import annotations
@@ -8,12 +11,18 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 METRICS_FILE = "metrics.jsonl"
+# Dense tensor-core peaks per GPU (vendor datasheets, SXM parts), TFLOP/s, by compute dtype; fp32 matmuls do not
+# use TF32 in PyTorch by default, so no fp32 entry.
+PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp16": 989.4}, "H100": {"bf16": 989.4, "fp16": 989.4},
+               "A100": {"bf16": 312.0, "fp16": 312.0}, "L40S": {"bf16": 362.0, "fp16": 362.0}}
+ETA_WINDOW = 20  # steps whose mean duration predicts the rest
 
 
 class MetricsLogger:
@@ -21,6 +30,7 @@ class MetricsLogger:
         """run_dir None: this rank logs nothing (every rank but 0)."""
         self.path = run_dir / METRICS_FILE if run_dir else None
         self.max_steps, self.log_every = max_steps, log_every
+        self.step_times: list[float] = []  # end of each step of this launch, for the ETA
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -31,12 +41,14 @@ class MetricsLogger:
             self._print(f"raysft: {kind} " + " ".join(f"{k}={v}" for k, v in fields.items()))
 
     def step(self, step: int, metrics: dict) -> None:
-        self._write({"step": step, "time": time.time(), **metrics})
+        now = time.time()
+        self.step_times = [*self.step_times[-ETA_WINDOW:], now]
+        eta = None
+        if len(self.step_times) > 1:
+            eta = (self.step_times[-1] - self.step_times[0]) / (len(self.step_times) - 1) * (self.max_steps - step)
+        self._write({"step": step, "time": now, **metrics, **({"eta_s": round(eta, 1)} if eta is not None else {})})
         if self.path and (step % self.log_every == 0 or step == self.max_steps):
-            self._print(f"step {step}/{self.max_steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-                        f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:.0f} tok/s | "
-                        f"peak mem {metrics['peak_mem_gb']:.2f} GiB"
-                        + (f" | loss scale {metrics['loss_scale']:g}" if "loss_scale" in metrics else ""))
+            self._print(progress_line(step, self.max_steps, metrics, eta))
 
     @staticmethod
     def _print(line: str) -> None:
@@ -60,3 +72,102 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def progress_line(step: int, max_steps: int, metrics: dict, eta_s: float | None) -> str:
+    """The one-line summary of a step, for logs and the driver's progress bar alike."""
+    parts = [f"step {step}/{max_steps}", f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e}",
+             f"grad_norm {metrics['grad_norm']:.3f}", f"{metrics['tokens_per_s']:.0f} tok/s"]
+    if metrics.get("mfu") is not None:
+        parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+    parts.append(f"peak mem {metrics['peak_mem_gb']:.2f} GiB")
+    if "loss_scale" in metrics:
+        parts.append(f"loss scale {metrics['loss_scale']:g}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def peak_tflops(device: torch.device, compute_dtype: str) -> float | None:
+    """The device's dense peak for the compute dtype, if known (MFU is left out otherwise, e.g. on CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peaks.get(compute_dtype) for gpu, peaks in PEAK_TFLOPS.items() if gpu in name), None)
+
+
+def training_flops(sample_lengths: list[int], matmul_params: int, layers: int, hidden: int) -> float:
+    """Model FLOPs of forward + backward over these samples (PaLM's count, without the causal discount)."""
+    return sum(n * (6 * matmul_params + 12 * layers * hidden * n) for n in sample_lengths)
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls: all but the input embedding (a lookup), unless it is tied to the
+    output layer. Works on a meta-device model."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    tied = any(p is embedding for p in model.get_output_embeddings().parameters())
+    return total if tied else total - embedding.numel()
+
+
+class ProgressBar:
+    """The driver's view of a run on an interactive terminal: a bar with ETA redrawn in place from the run's
+    metrics.jsonl (the workers' own stdout is a log file, never a terminal). Use as a context manager."""
+
+    def __init__(self, run_dir: Path, max_steps: int, out=sys.stderr, interval_s: float = 0.5, width: int = 24):
+        self.path, self.max_steps, self.out = run_dir / METRICS_FILE, max_steps, out
+        self.interval_s, self.width = interval_s, width
+        self._offset = self._end_of_file()
+        self._last: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ProgressBar:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+        if self._last:
+            self.out.write("\n")
+            self.out.flush()
+
+    def _end_of_file(self) -> int:
+        try:
+            return self.path.stat().st_size  # earlier launches' rows are not this launch's progress
+        except FileNotFoundError:
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            with self.path.open() as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        complete = chunk[: chunk.rfind("\n") + 1]  # a line still being written waits for the next poll
+        self._offset += len(complete.encode())
+        rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        steps = [r for r in rows if "loss" in r]
+        if steps:
+            self._last = steps[-1]
+            self.out.write("\r\033[K" + self.render(self._last))
+            self.out.flush()
+
+    def render(self, row: dict) -> str:
+        done = min(1.0, row["step"] / self.max_steps)
+        filled = int(done * self.width)
+        bar = "█" * filled + "·" * (self.width - filled)
+        return f"{bar} {100 * done:3.0f}% " + progress_line(row["step"], self.max_steps, row, row.get("eta_s"))

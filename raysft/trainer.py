@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint import (
+    MANIFEST_FILE,
     PendingSave,
     TrainingObjects,
     TrainState,
@@ -38,7 +40,13 @@ from raysft.dataloader import (
     num_tokens,
     rank_micro_batches,
 )
-from raysft.metrics import MetricsLogger, peak_memory_gb
+from raysft.metrics import (
+    MetricsLogger,
+    matmul_parameters,
+    peak_memory_gb,
+    peak_tflops,
+    training_flops,
+)
 from raysft.model import build_meta_model, load_initial_weights, load_model_config, materialize
 from raysft.optim import build_lr_scheduler, build_optimizer
 from raysft.parallelize import build_loss_scaler, build_mesh, gather_node_ranks, mesh_shape, parallelize
@@ -57,6 +65,11 @@ class WorkerContext:
     device: torch.device
     node_rank: int = 0
     """The worker's node (Ray numbers nodes by IP); HYBRID_SHARD derives its mesh from every worker's."""
+
+
+def checkpoint_bytes(ckpt_dir: Path) -> int:
+    """The size of a whole checkpoint, every rank's files, from the manifest rank 0 wrote into its part."""
+    return sum(f["size"] for f in json.loads((ckpt_dir / MANIFEST_FILE).read_text())["files"].values())
 
 
 def scratch_root(cfg: TrainConfig) -> Path:
@@ -94,6 +107,8 @@ class Trainer:
         # Model: meta → sharded → materialized shards → weights broadcast from rank 0.
         self.model = build_meta_model(self.hf_config, cfg.model.attn_implementation)
         self.aliases = tied_parameter_aliases(self.model)
+        self.matmul_params = matmul_parameters(self.model)
+        self.peak_tflops = peak_tflops(ctx.device, cfg.parallel.mixed_precision)
         parallelize(self.model, self.mesh, cfg.parallel)
         materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
         self.optimizer = build_optimizer(self.model, t)
@@ -152,6 +167,7 @@ class Trainer:
         micro_batches = rank_micro_batches(global_batch, ctx.rank, ctx.world_size, t.micro_batch_size)
         loss_sum = torch.zeros((), device=ctx.device)
         tokens = torch.zeros((), device=ctx.device)
+        lengths = [len(self.dataset.input_ids[i]) for indices in micro_batches for i in indices]
         for i, indices in enumerate(micro_batches):
             batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
             tokens += num_tokens(batch)
@@ -177,14 +193,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
 
-        totals = torch.stack([loss_sum, tokens])
+        c = self.hf_config
+        flops = training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)
+        totals = torch.stack([loss_sum, tokens, torch.tensor(flops, device=ctx.device)])
         dist.all_reduce(totals)
+        elapsed = time.perf_counter() - start
         peak_mem = torch.tensor(peak_memory_gb(ctx.device), device=ctx.device)
         dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
         metrics = {"loss": totals[0].item() / loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens": int(totals[1].item()), "tokens_per_s": totals[1].item() / (time.perf_counter() - start),
-                   "epoch": self.state.cursor.epoch,
-                   "peak_mem_gb": round(peak_mem.item(), 4)}
+                   "tokens": int(totals[1].item()), "tokens_per_s": totals[1].item() / elapsed,
+                   "mfu": (totals[2].item() / elapsed / ctx.world_size / (self.peak_tflops * 1e12)
+                           if self.peak_tflops else None),
+                   "epoch": self.state.cursor.epoch, "peak_mem_gb": round(peak_mem.item(), 4)}
         if self.scaler.is_enabled():
             metrics.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)
         return metrics
@@ -201,7 +221,8 @@ class Trainer:
         except BaseException:
             shutil.rmtree(out, ignore_errors=True)
             raise
-        self.pending = (pending, {**metrics, "step": self.state.step, "save_blocking_s": time.perf_counter() - start})
+        self.pending = (pending, {**metrics, "step": self.state.step, "save_blocking_s": time.perf_counter() - start,
+                                  "save_started": start})
         if not self.cfg.checkpoint.async_save:
             self.finish_checkpoint()
 
@@ -212,11 +233,15 @@ class Trainer:
         (pending, metrics), self.pending = self.pending, None
         try:
             wrote = pending.finish()
+            save_s = time.perf_counter() - metrics.pop("save_started")
+            size_gb = checkpoint_bytes(pending.out_dir) / 1e9 if self.ctx.rank == 0 else 0.0  # rank 0 has the manifest
+            metrics.update(save_s=save_s, save_gb=size_gb, save_gb_per_s=size_gb / save_s)
             self.report(metrics, pending.out_dir if wrote else None, pending.step)
         finally:
             shutil.rmtree(pending.out_dir, ignore_errors=True)
         self.log.event("checkpoint", step=pending.step, mode=self.checkpoint_mode,
-                       blocking_s=round(metrics["save_blocking_s"], 3), reported_at_step=self.state.step)
+                       blocking_s=round(metrics["save_blocking_s"], 3), save_s=round(save_s, 3),
+                       gb=round(size_gb, 4), gb_per_s=round(size_gb / save_s, 3), reported_at_step=self.state.step)
 
     def _preemption_save_due(self, step_s: float) -> bool:
         """Collective: whether to checkpoint now because Ray has just announced that a node of this run will be

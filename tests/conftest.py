@@ -1,4 +1,9 @@
+import contextlib
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,3 +55,19 @@ def run_workers(fn, loop_config: dict, tmp_path, num_workers: int = 2):
     return TorchTrainer(fn, train_loop_config=loop_config, torch_config=TorchConfig(backend="gloo"),
                         scaling_config=ScalingConfig(num_workers=num_workers, resources_per_worker={"CPU": 1}),
                         run_config=RunConfig(name="probe", storage_path=str(tmp_path / "probe_runs"))).fit()
+
+
+@contextlib.contextmanager
+def cli_env():
+    """The environment of a `raysft` command that starts its own local Ray: no RAY_ADDRESS, and Ray's state in a
+    short directory (its socket paths must stay under 108 bytes)."""
+    short = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    try:
+        yield {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": short}
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def run_cli(*args, env, input=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raysft", *args], env=env, cwd=REPO, input=input,
+                          capture_output=True, text=True, timeout=timeout)

@@ -7,11 +7,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, cli_env
+from conftest import run_cli as raysft
 
 from raysft.chat import ChatModel, Conversation, generate_answer
 from raysft.config import ModelConfig
@@ -23,19 +23,12 @@ Q1, Q2 = "What is the capital of France?", "And of Spain?"
 TOKENS = "24"  # --max-new-tokens: enough to tell answers apart, cheap on 2 cores
 
 
-def raysft(*args, env, input=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "raysft", *args], env=env, cwd=REPO, input=input,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("chat")
-    short = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths must stay short
-    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": short}
     common = ["train", "jobs/configs/demo.yaml", "--set", "data.max_seq_len=96", "--set", "checkpoint.every_n_steps=3",
               "--set", "checkpoint.keep=3", "--set", f"run.storage_path={root}", "--set", "run.name=chat"]
-    try:
+    with cli_env() as env:
         for extra in (["--set", "train.max_steps=6", "--set", "checkpoint.mode=full"],
                       ["--set", "train.max_steps=9", "--set", "checkpoint.mode=sharded"]):
             out = raysft(*common, *extra, env=env)
@@ -45,8 +38,6 @@ def run(tmp_path_factory):
         assert (full / "model.safetensors").is_file() and list(sharded.glob("*.distcp"))
         yield SimpleNamespace(dir=run_dir, env=env, full=full, sharded=sharded,
                               full_hf=export(full, root / "hf6"), sharded_hf=export(sharded, root / "hf9"))
-    finally:
-        shutil.rmtree(short, ignore_errors=True)
 
 
 @pytest.mark.parametrize("source", ["full", "sharded", "full_hf"])

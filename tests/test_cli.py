@@ -1,26 +1,14 @@
 """The console script end to end, as a user runs it: its own local Ray, exit codes, printed paths."""
 
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-
 import pytest
-from conftest import REPO
+from conftest import cli_env
+from conftest import run_cli as raysft
 
 
 @pytest.fixture
 def env():
-    short = tempfile.mkdtemp(prefix="r", dir="/tmp")  # Ray's socket paths must stay short
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    yield {**env, "RAY_TMPDIR": short}
-    shutil.rmtree(short, ignore_errors=True)
-
-
-def raysft(*args, env, cwd=REPO, timeout=600):
-    return subprocess.run([sys.executable, "-m", "raysft", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    with cli_env() as env:
+        yield env
 
 
 def test_train_export_and_prompt_from_the_command_line(tmp_path, env):

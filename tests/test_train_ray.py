@@ -37,6 +37,12 @@ def test_two_workers_lower_the_loss_and_resume_by_run_name(tmp_path):
     assert [m["step"] for m in steps] == list(range(1, 41))
     first, last = [sum(m["loss"] for m in part) / 5 for part in (steps[:5], steps[-5:])]
     assert last < 0.6 * first, (first, last)
+    assert all(m["tokens"] > 0 and m["mfu"] is None for m in steps)  # no known peak on a CPU
+    assert 0 < steps[-2]["eta_s"] and "eta_s" not in steps[0]  # the ETA needs one step's duration
+    saves = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "checkpoint"]
+    ckpt_bytes = sum(f.stat().st_size for f in Path(result.checkpoint.path).iterdir())
+    assert [m["step"] for m in saves] == [20, 40] and saves[-1]["gb"] == pytest.approx(ckpt_bytes / 1e9, abs=1e-4)
+    assert saves[-1]["gb_per_s"] == pytest.approx(saves[-1]["gb"] / saves[-1]["save_s"], rel=0.05)
     assert Path(result.checkpoint.path).name == "checkpoint_00000040"
     assert checkpoint_steps(cfg.run_dir) == [20, 40]
     ckpt = Path(result.checkpoint.path)
@@ -118,3 +124,14 @@ def test_a_cluster_that_cannot_place_the_workers_is_an_error(tmp_path):
     cfg = tiny_config(tmp_path, **{"scaling.num_workers": 8, "train.global_batch_size": 32})
     with pytest.raises(CannotPlaceWorkers, match="scaling.num_workers=8"):
         raysft.train(cfg)
+
+
+def test_packed_batches_train_like_padded_ones(tmp_path):
+    losses = {}
+    for packing in (False, True):
+        cfg = tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_n_steps": 4, "data.packing": packing,
+                                       "run.name": f"packing-{packing}"})
+        raysft.train(cfg)
+        losses[packing] = [(m["step"], m["loss"], m["tokens"]) for m in read_metrics(cfg.run_dir) if "loss" in m]
+    assert [(s, t) for s, _, t in losses[True]] == [(s, t) for s, _, t in losses[False]]  # same samples, same tokens
+    torch.testing.assert_close([v for _, v, _ in losses[True]], [v for _, v, _ in losses[False]], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,91 @@
+"""Per-step metrics: FLOP counting for MFU, the ETA, and the driver's progress bar on a real terminal."""
+
+import io
+import json
+import os
+import pty
+import subprocess
+import sys
+
+import torch
+from conftest import REPO, cli_env
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from raysft.metrics import (
+    METRICS_FILE,
+    MetricsLogger,
+    ProgressBar,
+    format_duration,
+    matmul_parameters,
+    peak_tflops,
+    progress_line,
+    training_flops,
+)
+
+ROW = {"loss": 1.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0, "peak_mem_gb": 1.0}
+
+
+def tiny_llama(tied: bool):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def test_matmul_parameters_leave_out_the_input_embedding_unless_it_is_the_output_layer():
+    untied, tied = tiny_llama(False), tiny_llama(True)
+    total = sum(p.numel() for p in untied.parameters())
+    assert matmul_parameters(untied) == total - 100 * 64
+    assert matmul_parameters(tied) == sum(p.numel() for p in tied.parameters())  # shared: counted once, as lm_head
+
+
+def test_training_flops_follow_palms_count_per_sample():
+    # 6 per parameter per token, plus 12 · layers · hidden · n for each of a sample's n tokens
+    assert training_flops([3, 5], matmul_params=1000, layers=2, hidden=8) == \
+        3 * (6000 + 12 * 2 * 8 * 3) + 5 * (6000 + 12 * 2 * 8 * 5)
+    assert peak_tflops(torch.device("cpu"), "bf16") is None  # no MFU without a known peak
+
+
+def test_progress_line_and_eta(tmp_path):
+    assert format_duration(59.6) == "1m00s" and format_duration(3725) == "1h02m"
+    line = progress_line(30, 300, {**ROW, "mfu": 0.412}, eta_s=125)
+    assert line.startswith("step 30/300 | loss 1.5000") and "MFU 41.2%" in line and line.endswith("eta 2m05s")
+    log = MetricsLogger(tmp_path, max_steps=10, log_every=100)
+    for step in range(1, 4):
+        log.step(step, ROW)
+    rows = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert "eta_s" not in rows[0] and rows[2]["eta_s"] >= 0
+
+
+def test_progress_bar_follows_this_launchs_rows_only(tmp_path):
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 99, "time": 0, **ROW}) + "\n")  # an earlier launch
+    out = io.StringIO()
+    bar = ProgressBar(tmp_path, max_steps=8, out=out)
+    bar.poll()
+    assert out.getvalue() == ""
+    with (tmp_path / METRICS_FILE).open("a") as f:
+        f.write(json.dumps({"step": 2, "time": 1, **ROW, "eta_s": 30}) + "\n" + '{"step": 3, "ti')  # torn last line
+    bar.poll()
+    assert out.getvalue() == "\r\033[K" + "██████" + "·" * 18 + "  25% " + progress_line(2, 8, ROW, 30)
+
+
+def test_raysft_train_on_a_terminal_draws_a_bar_with_an_eta(tmp_path):
+    controller, terminal = pty.openpty()
+    with cli_env() as env:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raysft", "train", "--set", "train.max_steps=6", "--set", "data.max_seq_len=96",
+             "--set", "checkpoint.every_n_steps=6", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=tty"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=terminal)
+        os.close(terminal)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert proc.wait(timeout=600) == 0, seen.decode(errors="replace")[-3000:]
+    text = seen.decode(errors="replace")
+    assert "\r\x1b[K" in text and "step 6/6" in text and "100%" in text and "| eta " in text
