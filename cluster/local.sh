@@ -134,9 +134,11 @@ start() {
                   --min-worker-port 0 --max-worker-port 0 --dashboard-agent-listen-port 0 --disable-usage-stats)
     start_node head --head --port "$port" --dashboard-host 127.0.0.1 --dashboard-port "$dash_port" \
         --ray-client-server-port "$client_port" "${common[@]}"
+    # Every node keeps its log monitor: it streams the output of the Ray workers on its node to the drivers, and
+    # without it `ray job logs` lacks the progress lines of a rank 0 placed on that node.
     local i
     for ((i = 1; i <= workers; i++)); do
-        start_node "worker$i" --address "127.0.0.1:$port" --include-log-monitor false "${common[@]}"
+        start_node "worker$i" --address "127.0.0.1:$port" "${common[@]}"
     done
     our_pids >"$state/pids"
 
