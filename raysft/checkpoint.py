@@ -11,25 +11,35 @@ Both:    rng.safetensors (every rank's RNG), trainer_state.json (step, data curs
          written theirs. A directory without a manifest that matches its files is incomplete and never loaded.
 
 Either layout loads on any number of workers and any sharding strategy (broadcast from rank 0, or DCP
-resharding), and a run may switch modes across a resume. Tensors live in safetensors or DCP files and the rest in
-JSON: loading a checkpoint never unpickles anything.
+resharding), and a run may switch modes across a resume. Checkpoints are written to local scratch directories (Ray
+uploads them) and loaded from wherever the run lives: on remote storage each rank of a sharded load reads just its
+byte ranges (`StorageReader`), and rank 0 of a full load downloads the files it needs. Tensors live in
+safetensors or DCP files and the rest in JSON: loading a checkpoint never unpickles anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.dataloader import DataCursor
+from raysft.storage import Location, location
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.safetensors"
@@ -205,8 +216,9 @@ def save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState) -> 
     return start_save(out_dir, mode, objs, state).finish()
 
 
-def load(ckpt_dir: Path, objs: TrainingObjects) -> TrainState:
-    """Collective: restore everything from a complete checkpoint of either mode, on any topology."""
+def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> TrainState:
+    """Collective: restore everything from a complete checkpoint of either mode, on any topology, local or on
+    remote storage (sharded: each rank reads its byte ranges from storage; full: rank 0 downloads the files)."""
     state = read_trainer_state(ckpt_dir)
     if state["mode"] == "full":
         _load_full(ckpt_dir, objs)
@@ -219,8 +231,8 @@ def load(ckpt_dir: Path, objs: TrainingObjects) -> TrainState:
     return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
 
 
-def read_trainer_state(ckpt_dir: Path) -> dict:
-    path = ckpt_dir / STATE_FILE
+def read_trainer_state(ckpt_dir: Path | Location) -> dict:
+    path = location(ckpt_dir) / STATE_FILE
     try:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -230,23 +242,34 @@ def read_trainer_state(ckpt_dir: Path) -> dict:
     return state
 
 
-def incomplete_reason(ckpt_dir: Path, checksums: bool = True) -> str | None:
+def is_payload(name: str) -> bool:
+    """The big files: weights and optimizer state (DCP shards or safetensors), all but the small ones."""
+    return name.endswith(".distcp") or name in (MODEL_FILE, "optimizer.safetensors")
+
+
+def incomplete_reason(ckpt_dir: Path | Location, checksums: bool | None = None) -> str | None:
     """Why ckpt_dir is not a complete checkpoint (None if it is): the manifest is missing or unreadable, or a file
-    it lists is missing, of another size or (with checksums) of other content."""
-    path = ckpt_dir / MANIFEST_FILE
+    it lists is missing, of another size or (with checksums) of other content.
+
+    checksums None: every file's on local storage; on remote storage only the small files', since hashing the
+    payload would read the whole checkpoint through one process. An object store never shows a partly written
+    object, and a full checkpoint's payload is checked as rank 0 downloads it (`_load_full`).
+    """
+    ckpt = location(ckpt_dir)
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
     except FileNotFoundError:
         return f"no {MANIFEST_FILE} (the save did not finish)"
     except (OSError, json.JSONDecodeError) as e:
         return f"unreadable {MANIFEST_FILE}: {e}"
+    sizes = ckpt.files()
     for name, entry in manifest["files"].items():
-        f = ckpt_dir / name
-        if not f.is_file():
+        if name not in sizes:
             return f"{name} is missing"
-        if f.stat().st_size != entry["size"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {entry['size']}"
-        if checksums and _sha256(f) != entry["sha256"]:
+        if sizes[name] != entry["size"]:
+            return f"{name} has {sizes[name]} bytes, the manifest says {entry['size']}"
+        hashed = checksums if checksums is not None else ckpt.local is not None or not is_payload(name)
+        if hashed and (ckpt / name).sha256() != entry["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
     return None
 
@@ -283,17 +306,35 @@ def _save_full(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Futu
     return _background().submit(write)
 
 
-def _load_full(ckpt_dir: Path, objs: TrainingObjects) -> None:
-    """Rank 0 reads the files and broadcasts; the other ranks receive only their shards."""
+def _load_full(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
+    """Rank 0 reads the files (downloaded first from remote storage) and broadcasts; the other ranks receive only
+    their shards."""
     model_sd: dict = {}
     optim_sd: dict = {}
     if dist.get_rank() == 0:
-        model_sd = _read_safetensors(ckpt_dir / MODEL_FILE)
-        for alias, canonical in objs.aliases.items():
-            model_sd[alias] = model_sd[canonical]
-        optim_sd = _read_optimizer(ckpt_dir)
+        with local_copy(ckpt_dir, (MODEL_FILE, "optimizer.safetensors", "optimizer.json")) as local:
+            model_sd = _read_safetensors(local / MODEL_FILE)
+            for alias, canonical in objs.aliases.items():
+                model_sd[alias] = model_sd[canonical]
+            optim_sd = _read_optimizer(local)
     set_model_state_dict(objs.model, model_sd, options=_BROADCAST)
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=_BROADCAST)
+
+
+@contextlib.contextmanager
+def local_copy(ckpt_dir: Path | Location, names: tuple[str, ...]) -> Iterator[Path]:
+    """The checkpoint's directory if it is local; else a temporary download of `names`, each checked against its
+    sha256 in the manifest as it arrives, removed afterwards."""
+    ckpt = location(ckpt_dir)
+    if ckpt.local is not None:
+        yield ckpt.local
+        return
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())["files"]
+    with tempfile.TemporaryDirectory(prefix="raysft-full-ckpt-") as tmp:
+        for name in names:
+            if (ckpt / name).download(Path(tmp) / name) != manifest[name]["sha256"]:
+                raise CheckpointError(f"{ckpt / name} does not match its sha256 in the manifest")
+        yield Path(tmp)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -326,13 +367,73 @@ def _save_sharded(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> F
                           process_group=_checkpoint_group())
 
 
-def _load_sharded(ckpt_dir: Path, objs: TrainingObjects) -> None:
+def _load_sharded(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)  # this topology's shards, to be filled
     try:
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir)
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=dcp_reader(ckpt_dir))
     except Exception as e:  # DCP wraps per-rank failures; name the directory
         raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {e}") from e
     set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def dcp_reader(ckpt_dir: Path | Location) -> FileSystemReader:
+    """DCP's own reader for a local directory; on remote storage one that reads byte ranges from it."""
+    ckpt = location(ckpt_dir)
+    return FileSystemReader(ckpt.local) if ckpt.local is not None else StorageReader(ckpt)
+
+
+class _ArrowFiles(FileSystemBase):
+    """DCP's file operations on a pyarrow filesystem, for reading (checkpoints are written locally and uploaded
+    by Ray)."""
+
+    def __init__(self, fs: pafs.FileSystem):
+        self.fs = fs
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise NotImplementedError(f"{path}: raysft reads checkpoints from remote storage, it does not write them")
+        with self.fs.open_input_file(str(path)) as f:  # random access: ranged reads, nothing downloaded up front
+            yield f
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{path}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return str(path)
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        raise NotImplementedError
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        raise NotImplementedError
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+class StorageReader(FileSystemReader):
+    """Loads a DCP checkpoint straight from remote storage: each rank fetches only the byte ranges of the tensor
+    pieces its own shards need, one ranged read per piece, instead of every node downloading the checkpoint.
+    `bytes_read` counts them."""
+
+    def __init__(self, ckpt: Location):
+        super().__init__(ckpt.path)
+        self.fs = _ArrowFiles(ckpt.fs)
+        self.path = ckpt.path
+        self.bytes_read = 0
+
+    def _slice_file(self, file, sinfo) -> io.BytesIO:
+        data = file.read_at(sinfo.length, sinfo.offset)
+        self.bytes_read += len(data)
+        return io.BytesIO(data)
 
 
 # --- background writing, manifest, RNG -----------------------------------------------------------------------------
@@ -416,10 +517,17 @@ def _gather_rng_states() -> dict[str, torch.Tensor]:
     return out
 
 
-def _restore_rng_state(ckpt_dir: Path, same_world: bool) -> None:
+def _restore_rng_state(ckpt_dir: Path | Location, same_world: bool) -> None:
     if not same_world:  # another topology: per-rank streams have no counterpart; keep the fresh seeding
         return
-    states = _read_safetensors(ckpt_dir / "rng.safetensors")
+    rng = location(ckpt_dir) / "rng.safetensors"
+    if rng.local is not None:
+        states = _read_safetensors(rng.local)
+    else:
+        try:
+            states = load_safetensors_bytes(rng.read_bytes())
+        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+            raise CheckpointError(f"{rng}: cannot read: {e}") from e
     rank = dist.get_rank()
     torch.set_rng_state(states[f"cpu.{rank}"])
     if f"cuda.{rank}" in states and torch.cuda.is_available():

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 
+from raysft.storage import Location, is_remote, location, native
+
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
 
 
@@ -32,6 +34,7 @@ class ModelConfig:
     tokenizer: str = "builtin:demo"
     """Tokenizer directory; empty means `path`. "builtin:demo" is the byte-level BPE shipped for the demo."""
     attn_implementation: str = "sdpa"
+    """transformers' attention kernel: "sdpa", "eager", "flex_attention", "flash_attention_2" (if installed)."""
 
 
 @dataclass
@@ -41,12 +44,19 @@ class DataConfig:
     chat_template: str = "auto"
     """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
     max_seq_len: int = 512
+    """Longer conversations are truncated; batches are padded only to their longest sample."""
     on_bad_record: Literal["error", "skip"] = "error"
+    """"skip": drop bad records and count them per reason in the store's manifest instead of failing."""
     packing: bool = False
     """Padding-free batches: each micro-batch is one row of its samples back to back, with position_ids restarting
     at every sample so that attention stays inside it. Same samples and loss as padded batches, no pad tokens."""
     store_dir: str = ""
-    """Where the tokenized parquet store lives; empty: `<run.storage_path>/datasets`."""
+    """Where the tokenized parquet store lives: a directory every node can read (the driver writes it, each worker
+    reads it); empty: `<run.storage_path>/datasets`, which a remote run.storage_path cannot be."""
+    prepare: Literal["auto", "local", "ray"] = "auto"
+    """Where the store is tokenized: "local" in this process; "ray" in Ray Data tasks on the running Ray, the cluster
+    in RAY_ADDRESS, or else a local Ray started for it (data.paths and store_dir must then be readable on every
+    node); "auto": Ray for inputs of 64 MiB or more when a cluster is running or in RAY_ADDRESS. Same store."""
 
 
 @dataclass
@@ -56,17 +66,25 @@ class TrainLoopConfig:
     stop_at_step: int = 0
     """If set, checkpoint at this step and exit (time-boxed jobs); launching again without it continues."""
     seed: int = 0
+    """Seed of the initialization and the data order."""
     global_batch_size: int = 16
     """Samples per optimizer step over all workers; gradient accumulation makes up the difference."""
     micro_batch_size: int = 4
     """Samples per worker per forward/backward."""
     lr: float = 3e-3
+    """Peak learning rate of AdamW, reached after warmup_steps, then cosine decay to min_lr_ratio × lr."""
     min_lr_ratio: float = 0.1
+    """Where the cosine decay ends, as a fraction of lr."""
     warmup_steps: int = 20
+    """Linear warmup from 0 to lr."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's moment decay rates."""
     grad_clip: float = 1.0
+    """Clip the global gradient norm to this."""
     log_every_n_steps: int = 10
+    """Progress lines in the log; metrics.jsonl gets every step."""
     report_every_n_steps: int = 0
     """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
 
@@ -77,6 +95,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"
 @dataclass
 class ParallelConfig:
     sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """PyTorch's FSDP names, all FSDP2 fully_shard on a device mesh (see "Choosing a sharding strategy")."""
     hsdp_shard_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes workers per node from Ray (wrong when logical nodes share an IP)."""
     mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -99,6 +118,7 @@ class CheckpointConfig:
     fits 4 times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and
     sharding strategy."""
     every_n_steps: int = 100
+    """Checkpoint every N steps, and at the end."""
     async_save: bool = field(default=False, metadata={"key": "async"})
     """YAML key `async`: stage the state in memory and write it in the background while training goes on; the
     checkpoint is reported to Ray once every rank's part is durable."""
@@ -109,7 +129,9 @@ class CheckpointConfig:
 @dataclass
 class ScalingConfig:
     num_workers: int = 2
+    """Ray Train workers, one per GPU (or a share of the CPUs)."""
     use_gpu: bool = False
+    """One GPU per worker and NCCL; otherwise CPU workers and gloo."""
     cpus_per_worker: float = 1.0
     """Logical CPUs per worker; a local Ray is sized from this, so 4 workers fit on a 2-core laptop."""
     min_workers: int = 0
@@ -129,6 +151,8 @@ class RunConfig:
     name: str = "raysft-demo"
     """Fixed run name: launching again with the same name and storage resumes from its latest checkpoint."""
     storage_path: str = "~/raysft_runs"
+    """A local or shared (NFS) directory, or a URI of any pyarrow filesystem: s3://bucket/prefix, gs://... Every
+    node must reach it; checkpoints, metrics.jsonl and the run's small files live in <storage_path>/<name>."""
 
 
 @dataclass
@@ -145,11 +169,13 @@ class TrainConfig:
         validate(self)
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.run.storage_path).expanduser().resolve() / self.run.name
+    def run_dir(self) -> Path | Location:
+        """`<run.storage_path>/<run.name>`: a Path on local or NFS storage (as ever), a Location on s3://, gs://..."""
+        return native(location(self.run.storage_path) / self.run.name)
 
     @property
     def store_dir(self) -> Path:
+        """A filesystem path: the store is read with plain file I/O (validate refuses URIs here)."""
         base = self.data.store_dir or str(Path(self.run.storage_path) / "datasets")
         return Path(base).expanduser().resolve()
 
@@ -159,6 +185,34 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return _build(cls, data, prefix="")
+
+
+def reference_markdown() -> str:
+    """The configuration reference in README.md, made from these dataclasses: every key, its default and its
+    docstring (tests/test_config.py checks that the README holds the current one: regenerate it with
+    `python -c 'from raysft.config import reference_markdown as r; print(r())'`)."""
+    import ast
+    import inspect
+    import sys
+
+    docs = {}
+    for node in ast.walk(ast.parse(inspect.getsource(sys.modules[__name__]))):
+        if isinstance(node, ast.ClassDef):
+            for stmt, after in zip(node.body, node.body[1:], strict=False):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr) and \
+                        isinstance(after.value, ast.Constant):
+                    docs[node.name, stmt.target.id] = " ".join(after.value.value.split())
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    hints = typing.get_type_hints(TrainConfig)
+    for section in dataclasses.fields(TrainConfig):
+        cls = hints[section.name]
+        defaults, field_hints = cls(), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meaning = docs.get((cls.__name__, f.name), "").replace("|", "\\|")
+            if typing.get_origin(field_hints[f.name]) is Literal:
+                meaning = f"one of {', '.join(f'`{v}`' for v in typing.get_args(field_hints[f.name]))}. {meaning}"
+            rows.append(f"| `{section.name}.{_key(f)}` | `{getattr(defaults, f.name)!r}` | {meaning.strip()} |")
+    return "\n".join(rows)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -283,6 +337,19 @@ def validate(cfg: TrainConfig) -> None:
              "no tokenizer: set model.tokenizer or model.path")
     _require(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name",
              f"must be a non-empty name without '/', got {cfg.run.name!r}")
+    _validate_storage(cfg)
+
+
+def _validate_storage(cfg: TrainConfig) -> None:
+    """Checkpoints, metrics and run files go to any pyarrow filesystem; the tokenized store is read by every worker
+    as local files, so it needs a directory that every node mounts."""
+    store, storage = cfg.data.store_dir, cfg.run.storage_path
+    _require(not is_remote(store), "data.store_dir",
+             f"must be a filesystem path every node can read (NFS or another shared mount), got the URI {store!r}")
+    _require(bool(store) or not is_remote(storage), "data.store_dir",
+             f"run.storage_path is {storage!r}, so the tokenized store cannot default to <run.storage_path>/datasets:"
+             " set data.store_dir to a directory every node can read (NFS or another shared mount; a local "
+             "directory only works when the driver and all workers are on one machine)")
 
 
 def _validate_parallel(p: ParallelConfig, num_workers: int) -> None:

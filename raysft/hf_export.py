@@ -17,37 +17,51 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from raysft.checkpoint import MODEL_FILE, TRAINING_FILES, CheckpointError, incomplete_reason, read_trainer_state
+from raysft.checkpoint import (
+    MODEL_FILE,
+    TRAINING_FILES,
+    CheckpointError,
+    dcp_reader,
+    incomplete_reason,
+    local_copy,
+    read_trainer_state,
+)
+from raysft.storage import Location, location, native
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
-def export(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike, overwrite: bool = False,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write config, tokenizer and weights (safetensors, sharded with an index above max_shard_bytes).
 
+    checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
+    there piece by piece (not its optimizer state), a full one's model.safetensors is downloaded to a temporary
+    directory first.
     The directory appears complete or not at all (written beside it, then renamed); an existing non-empty
     directory is only replaced with overwrite=True.
     """
-    ckpt, out = Path(checkpoint_dir), Path(out_dir).expanduser().resolve()
+    ckpt, out = location(checkpoint_dir), Path(out_dir).expanduser().resolve()
     mode = read_trainer_state(ckpt)["mode"]  # a raysft checkpoint of a format we know, or a clear error
     reason = incomplete_reason(ckpt)
     if reason:
-        raise CheckpointError(f"{ckpt}: incomplete checkpoint: {reason}")
+        raise CheckpointError(f"{native(ckpt)}: incomplete checkpoint: {reason}")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        for f in ckpt.iterdir():  # config, generation config, tokenizer: whatever is not weights or training state
-            if f.is_file() and f.name not in TRAINING_FILES and f.name != MODEL_FILE and not _is_dcp_file(f):
-                shutil.copy2(f, tmp / f.name)
-        weights = _FullWeights(ckpt) if mode == "full" else _ShardedWeights(ckpt)
-        _write_shards(weights, tmp, max_shard_bytes)
+        for name in ckpt.files():  # config, generation config, tokenizer: whatever is not weights or training state
+            if "/" not in name and name not in TRAINING_FILES and name != MODEL_FILE and not _is_dcp_file(name):
+                (ckpt / name).download(tmp / name)
+        if mode == "full":
+            with local_copy(ckpt, (MODEL_FILE,)) as local:
+                _write_shards(_FullWeights(local), tmp, max_shard_bytes)
+        else:
+            _write_shards(_ShardedWeights(ckpt), tmp, max_shard_bytes)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -73,16 +87,16 @@ class _FullWeights:
 class _ShardedWeights:
     """Model tensors of a DCP checkpoint, each assembled from the shards of every rank that wrote a piece."""
 
-    def __init__(self, ckpt: Path):
+    def __init__(self, ckpt: Location):
         self.ckpt = ckpt
-        metadata = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+        metadata = dcp_reader(ckpt).read_metadata().state_dict_metadata
         self.meta = {key.removeprefix("model."): m for key, m in metadata.items()
                      if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         self.sizes = {name: m.size.numel() * m.properties.dtype.itemsize for name, m in self.meta.items()}
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         tensors = {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}
-        dcp.load({"model": tensors}, checkpoint_id=self.ckpt, no_dist=True)
+        dcp.load({"model": tensors}, storage_reader=dcp_reader(self.ckpt), no_dist=True)
         return tensors
 
 
@@ -111,8 +125,8 @@ def _write_shards(weights: _FullWeights | _ShardedWeights, out: Path, max_shard_
             {"metadata": {"total_size": sum(weights.sizes.values())}, "weight_map": weight_map}, indent=2))
 
 
-def _is_dcp_file(f: Path) -> bool:
-    return f.name == ".metadata" or f.suffix == ".distcp"
+def _is_dcp_file(name: str) -> bool:
+    return name == ".metadata" or name.endswith(".distcp")
 
 
 def _nbytes(tensor_slice) -> int:

@@ -33,6 +33,7 @@ from raysft.resume import (
     clear_scratch,
     existing_checkpoint_names,
 )
+from raysft.storage import location, use_filesystem
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer, WorkerContext, scratch_root
 
@@ -66,23 +67,27 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     s = config.scaling
+    root = location(config.run.storage_path)
+    remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
     trainer = TorchTrainer(
         train_loop_per_worker=_train_fn,
-        train_loop_config={"config": config.to_dict(), "store": str(store.path)},
+        train_loop_config={"config": config.to_dict(), "store": str(store.path), "filesystem": remote,
+                           "filesystem_path": root.path},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
                                      use_gpu=s.use_gpu, resources_per_worker=worker_resources(s)),
         run_config=RunConfig(
             name=config.run.name,
-            storage_path=str(Path(config.run.storage_path).expanduser().resolve()),
+            storage_path=root.path,  # with storage_filesystem set, Ray wants the path without its scheme
+            storage_filesystem=remote,
             failure_config=FailureConfig(max_failures=s.max_failures,
                                          controller_failure_limit=start_attempts(s) - 1),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
-    fatal_file = config.run_dir / FATAL_ERROR_FILE
-    fatal_file.unlink(missing_ok=True)
+    fatal_file = location(config.run_dir) / FATAL_ERROR_FILE
+    fatal_file.delete()
     try:
         result = trainer.fit()
     except ControllerError as e:
@@ -138,6 +143,8 @@ def check_cluster_can_place(scaling: RaysftScaling) -> None:
 
 def _train_fn(loop_config: dict) -> None:
     cfg = TrainConfig.from_dict(loop_config["config"])
+    if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
+        use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
     worker = ray_worker_context()
     if ray.train.get_context().get_local_rank() == 0:
         clear_scratch(scratch_root(cfg))  # before the first collective, so before any worker here saves
@@ -145,7 +152,8 @@ def _train_fn(loop_config: dict) -> None:
         _build_trainer(cfg, Path(loop_config["store"]), worker).train()
     except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
         if worker.rank == 0:
-            (cfg.run_dir / FATAL_ERROR_FILE).write_text(json.dumps({"type": type(e).__name__, "message": str(e)}))
+            (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
+                json.dumps({"type": type(e).__name__, "message": str(e)}))
 
 
 def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext) -> Trainer:

@@ -17,21 +17,32 @@ from pathlib import Path
 
 import torch
 
+from raysft.storage import Location, scratch_file
+
 METRICS_FILE = "metrics.jsonl"
 # Dense tensor-core peaks per GPU (vendor datasheets, SXM parts), TFLOP/s, by compute dtype; fp32 matmuls do not
 # use TF32 in PyTorch by default, so no fp32 entry.
 PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp16": 989.4}, "H100": {"bf16": 989.4, "fp16": 989.4},
                "A100": {"bf16": 312.0, "fp16": 312.0}, "L40S": {"bf16": 362.0, "fp16": 362.0}}
 ETA_WINDOW = 20  # steps whose mean duration predicts the rest
+UPLOAD_EVERY_S = 60.0  # on remote storage, the longest a step's record stays only on rank 0's node
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path | None, max_steps: int, log_every: int):
-        """run_dir None: this rank logs nothing (every rank but 0)."""
+    def __init__(self, run_dir: Path | Location | None, max_steps: int, log_every: int):
+        """run_dir None: this rank logs nothing (every rank but 0). On remote storage (a Location), which cannot
+        append, records go to a local copy of the run's metrics.jsonl that is uploaded whole after every event
+        (start, resume, each checkpoint, stop) and at least every UPLOAD_EVERY_S."""
         self.path = run_dir / METRICS_FILE if run_dir else None
         self.max_steps, self.log_every = max_steps, log_every
         self.step_times: list[float] = []  # end of each step of this launch, for the ETA
-        if self.path:
+        self.remote: Location | None = None
+        if isinstance(self.path, Location):
+            self.remote, self.path = self.path, scratch_file("raysft-metrics-", ".jsonl")
+            if self.remote.is_file():  # earlier launches' records: this launch appends to them
+                self.remote.download(self.path)
+            self.uploaded_at = time.monotonic()
+        elif self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def event(self, kind: str, **fields) -> None:
@@ -60,9 +71,15 @@ class MetricsLogger:
         if self.path:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.remote is not None and ("event" in record or time.monotonic() - self.uploaded_at > UPLOAD_EVERY_S):
+            try:
+                self.remote.upload(self.path)
+                self.uploaded_at = time.monotonic()
+            except OSError as e:  # a storage hiccup must not stop training; the next upload carries everything
+                self._print(f"raysft: warning: cannot upload {self.remote}: {e}")
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path | Location) -> list[dict]:
     path = run_dir / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -1,10 +1,10 @@
 """Which run a launch continues and from which checkpoint.
 
-A run is its directory `<run.storage_path>/<run.name>`. Launching again with the same name continues it, so what
-defines the run (the data, the model, the seed of the data order) is recorded on the first launch and must match
-on every later one; `fresh` starts over and keeps the old directory under another name. Everything else may change
-between launches: workers, sharding, checkpointing, and hyperparameters such as train.max_steps (to train longer)
-or train.lr, which apply from the resumed step on.
+A run is its directory `<run.storage_path>/<run.name>`, local or on remote storage (raysft.storage). Launching again
+with the same name continues it, so what defines the run (the data, the model, the seed of the data order) is
+recorded on the first launch and must match on every later one; `fresh` starts over and keeps the old directory
+under another name. Everything else may change between launches: workers, sharding, checkpointing, and
+hyperparameters such as train.max_steps (to train longer) or train.lr, which apply from the resumed step on.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from raysft.checkpoint import incomplete_reason
 from raysft.config import ConfigError, TrainConfig
+from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
 RUN_FILE = "raysft_run.json"
@@ -27,17 +28,17 @@ RUN_DEFINING_KEYS = ("model.path", "model.config", "model.tokenizer", "train.see
 DATA_KEY = "data"  # the tokenized store's fingerprint: data files' contents, tokenizer, template, length
 
 
-def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = False) -> Path | None:
+def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = False) -> Path | Location | None:
     """Check that this launch may use the run directory, and record what defines the run on first use.
 
     Returns where an existing run was moved to with `fresh`, else None. Raises ConfigError, before anything is
     written, when the run exists and was started with other run-defining settings.
     """
-    run_dir = config.run_dir
+    run_dir = location(config.run_dir)
     moved = None
-    if fresh and run_dir.exists() and any(run_dir.iterdir()):
+    if fresh and run_dir.children():
         moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
-        run_dir.rename(moved)
+        run_dir.move_dir(moved)
     identity = run_identity(config, data_fingerprint)
     path = run_dir / RUN_FILE
     if path.is_file():
@@ -52,12 +53,10 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
                 f"run '{config.run.name}' in {run_dir} exists and {what}; launching again continues a run, so "
                 f"{', '.join(changed)} must match. Keep the run's settings, pick another run.name, or start over "
                 f"with --fresh (the old run is kept beside it as {run_dir.name}.replaced-<time>)")
-        return moved
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(identity, indent=1))
-    tmp.rename(path)
-    return moved
+        return native(moved) if moved else None
+    run_dir.mkdir()
+    path.write_text(json.dumps(identity, indent=1))
+    return native(moved) if moved else None
 
 
 def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
@@ -69,9 +68,10 @@ def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
     return identity
 
 
-def choose_resume_dir(run_dir: Path, rank: int) -> tuple[Path | None, list[tuple[str, str]]]:
+def choose_resume_dir(run_dir: Path | Location, rank: int) -> tuple[Path | Location | None, list[tuple[str, str]]]:
     """Collective: the run's newest complete checkpoint, and the (path, reason) of each newer, incomplete one
-    skipped. Rank 0 checks sizes and checksums against each manifest; None if there is none (a fresh start).
+    skipped. Rank 0 checks each against its manifest (sizes, and checksums as `incomplete_reason` says); None if
+    there is none (a fresh start).
 
     Complete is what counts, not registered: a worker that dies just after a save can take Ray's record of it
     along (the report was not yet collected), but its directory, with every file its manifest lists, is a whole
@@ -82,23 +82,23 @@ def choose_resume_dir(run_dir: Path, rank: int) -> tuple[Path | None, list[tuple
         for candidate in reversed(checkpoint_dirs(run_dir)):
             reason = incomplete_reason(candidate)
             if reason is None:
-                result[0] = str(candidate)
+                result[0] = candidate.name
                 break
             result[1].append((str(candidate), reason))
     dist.broadcast_object_list(result, src=0)
-    return (Path(result[0]) if result[0] else None), result[1]
+    return (run_dir / result[0] if result[0] else None), result[1]
 
 
-def existing_checkpoint_names(run_dir: Path, rank: int) -> frozenset[str]:
+def existing_checkpoint_names(run_dir: Path | Location, rank: int) -> frozenset[str]:
     """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
     names = [[p.name for p in checkpoint_dirs(run_dir)] if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     return frozenset(names[0])
 
 
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
+def checkpoint_dirs(run_dir: Path | Location) -> list[Path | Location]:
     """The run's checkpoint directories, oldest first (their names sort by step)."""
-    return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+    return [native(d) for d in location(run_dir).dirs(CHECKPOINT_PREFIX)]
 
 
 def checkpoint_name(step: int, taken: frozenset[str] = frozenset()) -> str:

@@ -1,0 +1,291 @@
+"""Runs on remote storage: an S3-compatible server (moto) on loopback stands in for S3. Storage operations, the run
+files, the manifest check and metrics on s3://, then real Ray Train runs that checkpoint into the bucket, resume
+from it (sharded checkpoints read by each rank straight from storage), and export from it."""
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+from conftest import REPO, run_workers, tiny_config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import raysft
+import raysft.checkpoint as ckpt_module
+from raysft import storage
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, StorageReader, incomplete_reason
+from raysft.config import ConfigError, TrainConfig
+from raysft.data import prepare_store
+from raysft.launch import FATAL_ERROR_FILE, ray_worker_context
+from raysft.metrics import MetricsLogger, read_metrics
+from raysft.resume import RUN_FILE, checkpoint_dirs, claim_run_dir
+from raysft.storage import Location, location
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
+
+BUCKET = "raysft"
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on a free loopback port, and the settings a user would export to reach it: credentials
+    and AWS_ENDPOINT_URL_S3, which pyarrow's FileSystem.from_uri (what raysft and Ray use) honours."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint,
+                           "AWS_EC2_METADATA_DISABLED": "true"}.items():
+            env.setenv(key, value)
+        fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
+        fs.create_dir(BUCKET)
+        yield SimpleNamespace(endpoint=endpoint, fs=fs)
+        storage._RESOLVED.clear()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(s3, ray_cluster):
+    """Ray started once the S3 settings are in the environment: its workers inherit them, as the workers of a
+    cluster whose nodes have them in theirs (or get them through the job's runtime_env)."""
+    yield
+
+
+@pytest.fixture
+def prefix(s3, request) -> str:
+    """A fresh s3:// prefix for each test."""
+    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}"
+
+
+def s3_config(tmp_path, prefix, **sets) -> TrainConfig:
+    return tiny_config(tmp_path, **{"run.storage_path": f"{prefix}/runs", "data.store_dir": str(tmp_path / "datasets"),
+                                    **sets})
+
+
+# --- the storage module, config and run files, without Ray ------------------------------------------------------
+
+def test_local_paths_map_as_before_and_uris_to_their_filesystem(tmp_path, prefix, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tiny_config(tmp_path, **{"run.storage_path": "~/runs"}).run_dir == tmp_path.resolve() / "runs" / "t"
+    assert tiny_config(tmp_path, **{"run.storage_path": f"file://{tmp_path}"}).run_dir == tmp_path.resolve() / "t"
+    run_dir = s3_config(tmp_path, prefix).run_dir
+    assert isinstance(run_dir, Location) and isinstance(run_dir.fs, pafs.S3FileSystem)
+    assert str(run_dir) == f"{prefix}/runs/t" and run_dir.path == f"{prefix.removeprefix('s3://')}/runs/t"
+    assert not (REPO / "s3:").exists() and not Path("s3:").exists()  # nothing treats the URI as a local path
+
+
+def test_remote_storage_needs_the_tokenized_store_on_a_shared_filesystem(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.store_dir.*run.storage_path is 's3://b/runs'.*every node can read"):
+        tiny_config(tmp_path, **{"run.storage_path": "s3://b/runs"})
+    with pytest.raises(ConfigError, match=r"data.store_dir.*got the URI 's3://b/datasets'"):
+        tiny_config(tmp_path, **{"run.storage_path": "s3://b/runs", "data.store_dir": "s3://b/datasets"})
+
+
+def test_location_lists_reads_writes_and_moves_objects(prefix):
+    root = location(prefix)
+    (root / "run/checkpoint_00000002/a.bin").write_bytes(b"12345")
+    (root / "run/checkpoint_00000001/sub/b.bin").write_bytes(b"1")
+    (root / "run/checkpoint_notes.txt").write_text("a file, not a checkpoint")
+    (root / "run/other/c").write_text("c")
+    assert [d.name for d in (root / "run").dirs("checkpoint_")] == ["checkpoint_00000001", "checkpoint_00000002"]
+    assert [d.name for d in checkpoint_dirs(root / "run")] == ["checkpoint_00000001", "checkpoint_00000002"]
+    assert (root / "run/checkpoint_00000001").files() == {"sub/b.bin": 1}
+    assert (root / "run/checkpoint_notes.txt").read_text() == "a file, not a checkpoint"
+    assert (root / "run/missing").files() == {} and (root / "run/missing").dirs() == []
+    (root / "run/missing.json").delete()  # missing is fine
+    (root / "run").move_dir(root / "moved")
+    assert not (root / "run").exists() and (root / "moved/checkpoint_00000002/a.bin").read_bytes() == b"12345"
+
+
+def test_workers_reach_the_store_through_the_drivers_filesystem_without_the_endpoint_setting(prefix):
+    """What _train_fn does with the filesystem Ray pickles from the driver, in a process whose environment
+    has the credentials but not AWS_ENDPOINT_URL_S3 (a worker node's, say)."""
+    root = location(prefix)
+    (root / "probe.txt").write_text("hello")
+    code = ("import pickle, sys; from raysft import storage; uri, fs, path = pickle.load(sys.stdin.buffer); "
+            "storage.use_filesystem(uri, fs, path); print((storage.location(uri) / 'probe.txt').read_text())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_ENDPOINT_URL")}
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((prefix, root.fs, root.path)), env=env,
+                         cwd=REPO, capture_output=True, check=True, timeout=120)
+    assert out.stdout.decode().strip() == "hello"
+
+
+def test_a_run_on_s3_records_what_defines_it_and_fresh_keeps_the_old_one(tmp_path, prefix):
+    cfg = s3_config(tmp_path, prefix)
+    assert claim_run_dir(cfg, "data-a") is None
+    assert json.loads((cfg.run_dir / RUN_FILE).read_text())["data"] == "data-a"
+    (cfg.run_dir / "checkpoint_00000003/x").write_text("x")
+    before = location(prefix).files()
+    with pytest.raises(ConfigError, match=r"started with train.seed=0, this launch has 7.*--fresh"):
+        claim_run_dir(s3_config(tmp_path, prefix, **{"train.seed": 7}), "data-a")
+    assert location(prefix).files() == before  # refused before anything was written
+    moved = claim_run_dir(s3_config(tmp_path, prefix, **{"train.seed": 7}), "data-a", fresh=True)
+    assert str(moved).startswith(f"{prefix}/runs/t.replaced-") and (moved / "checkpoint_00000003/x").is_file()
+    assert sorted((cfg.run_dir).files()) == [RUN_FILE]
+
+
+def test_the_manifest_check_on_s3_compares_sizes_and_the_small_files_checksums(tmp_path, prefix):
+    """Remote: every size, and the sha256 of every file but the payload (hashing that would read the whole
+    checkpoint through rank 0; full checkpoints' payload is checked as rank 0 downloads it)."""
+    local = tmp_path / "ckpt"
+    local.mkdir()
+    (local / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (local / "trainer_state.json").write_text('{"step": 3}')
+    ckpt_module._write_manifest(local, 3, [ckpt_module._durable_file_list(local)])
+    remote = location(prefix) / "ckpt"
+    for name in local.iterdir():
+        (remote / name.name).upload(name)
+    assert incomplete_reason(remote) is None
+
+    shard = bytearray((local / "__0_0.distcp").read_bytes())
+    shard[100] ^= 0xFF
+    (remote / "__0_0.distcp").write_bytes(bytes(shard))
+    assert incomplete_reason(remote) is None  # same size: payload is not hashed on remote storage ...
+    assert incomplete_reason(remote, checksums=True) == "__0_0.distcp does not match its sha256 in the manifest"
+    (remote / "__0_0.distcp").write_bytes(bytes(shard[:-7]))  # ... a cut-short upload is caught by its size
+    assert incomplete_reason(remote) == "__0_0.distcp has 4089 bytes, the manifest says 4096"
+    (remote / "__0_0.distcp").upload(local / "__0_0.distcp")
+    (remote / "trainer_state.json").write_text('{"step": 4}')
+    assert incomplete_reason(remote) == "trainer_state.json does not match its sha256 in the manifest"
+    (remote / "trainer_state.json").delete()
+    assert incomplete_reason(remote) == "trainer_state.json is missing"
+    (remote / MANIFEST_FILE).delete()
+    assert incomplete_reason(remote) == f"no {MANIFEST_FILE} (the save did not finish)"
+
+
+def test_metrics_on_s3_are_uploaded_at_events_and_appended_across_launches(prefix):
+    run_dir = location(prefix) / "run"
+    first = MetricsLogger(run_dir, max_steps=100, log_every=10**9)
+    first.event("start", world_size=2)
+    first.step(1, {"loss": 2.0})
+    assert [r.get("event") for r in read_metrics(run_dir)] == ["start"]  # a step waits for the next upload
+    first.event("checkpoint", step=1)
+    second = MetricsLogger(run_dir, max_steps=100, log_every=10**9)  # a relaunch, maybe on another node
+    second.event("resume", step=1)
+    assert [r.get("event", r.get("step")) for r in read_metrics(run_dir)] == ["start", 1, "checkpoint", "resume"]
+    assert first.path != second.path and first.path.is_file()  # each appends to a local copy, then uploads
+
+
+# --- real runs through Ray Train --------------------------------------------------------------------------------
+
+def step_losses(run_dir) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
+
+
+def export_weights(checkpoint, out: Path) -> dict[str, torch.Tensor]:
+    raysft.export(checkpoint, out)
+    assert AutoModelForCausalLM.from_pretrained(out, local_files_only=True) is not None
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, s3, tmp_path_factory):
+    """An uninterrupted local run of 8 steps, and the same run on s3:// in three launches: stopped at step 3
+    (sharded), continued to 6 (full), then to 8 (sharded)."""
+    tmp = tmp_path_factory.mktemp("storage-runs")
+    sets = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.keep": 9,
+            "train.log_every_n_steps": 100}
+    local = tiny_config(tmp, **{**sets, "run.name": "local", "checkpoint.mode": "sharded"})
+    raysft.train(local)
+    remote = s3_config(tmp, f"s3://{BUCKET}/e2e", **{**sets, "run.name": "remote"})
+    results = [raysft.train(s3_config(tmp, f"s3://{BUCKET}/e2e", **{**sets, "run.name": "remote", **leg}))
+               for leg in ({"checkpoint.mode": "sharded", "train.stop_at_step": 3},
+                           {"checkpoint.mode": "full", "train.stop_at_step": 6},
+                           {"checkpoint.mode": "sharded"})]
+    return SimpleNamespace(tmp=tmp, local=local, remote=remote, result=results[-1])
+
+
+def test_a_run_on_s3_checkpoints_into_the_bucket_and_resumes_from_it_like_an_uninterrupted_local_run(runs):
+    run_dir = runs.remote.run_dir
+    assert isinstance(run_dir, Location)
+    assert [d.name for d in checkpoint_dirs(run_dir)] == \
+        ["checkpoint_00000003", "checkpoint_00000006", "checkpoint_00000008"]
+    files = json.loads((run_dir / "checkpoint_00000003" / MANIFEST_FILE).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.json"} <= set(files)
+    assert set((run_dir / "checkpoint_00000003").files()) == {*files, MANIFEST_FILE}
+    assert "model.safetensors" in (run_dir / "checkpoint_00000006").files()
+    assert all(incomplete_reason(d, checksums=True) is None for d in checkpoint_dirs(run_dir))
+    assert (run_dir / RUN_FILE).is_file() and not (run_dir / FATAL_ERROR_FILE).exists()
+    assert runs.result.checkpoint.filesystem.type_name == "s3"
+    assert runs.result.checkpoint.path == f"{BUCKET}/e2e/runs/remote/checkpoint_00000008"
+
+    records = read_metrics(run_dir)
+    resumes = [m for m in records if m.get("event") == "resume"]
+    assert [(r["step"], r["checkpoint"]) for r in resumes] == \
+        [(3, f"{run_dir}/checkpoint_00000003"), (6, f"{run_dir}/checkpoint_00000006")]
+    assert step_losses(run_dir) == step_losses(runs.local.run_dir)  # same floats, steps 1..8 each once
+    assert not (REPO / "s3:").exists()
+
+
+def test_export_reads_remote_checkpoints_of_both_modes_into_models_transformers_loads(runs):
+    tmp, local_dir, run_dir = runs.tmp, runs.local.run_dir, runs.remote.run_dir
+    for step in ("00000006", "00000008"):  # full (downloaded), sharded (read piece by piece)
+        expected = export_weights(local_dir / f"checkpoint_{step}", tmp / f"local-{step}")
+        weights = export_weights(f"{run_dir}/checkpoint_{step}", tmp / f"remote-{step}")
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
+def _load_from_storage(loop: dict) -> None:
+    """Resume a Trainer from a sharded checkpoint on s3://, recording each rank's DCP reader and its bytes."""
+    ctx = ray_worker_context()
+    readers = []
+    original = ckpt_module.dcp_reader
+
+    def recording_reader(ckpt):
+        readers.append(original(ckpt))
+        return readers[-1]
+
+    ckpt_module.dcp_reader = recording_reader
+    try:
+        trainer = Trainer(TrainConfig.from_dict(loop["config"]), Path(loop["store"]), loop["checkpoint"],
+                          lambda *a: None, ctx)
+    finally:
+        ckpt_module.dcp_reader = original
+    Path(loop["out"], f"rank{ctx.rank}.json").write_text(json.dumps({
+        "step": trainer.state.step, "readers": [type(r).__name__ for r in readers],
+        "bytes_read": sum(r.bytes_read for r in readers)}))
+
+
+def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downloaded(runs, tmp_path):
+    """Each rank fetches the byte ranges of its own shards: its own __<rank>_0.distcp (written by the same
+    topology), nowhere near the whole checkpoint, and no rank downloads it first."""
+    ckpt = runs.remote.run_dir / "checkpoint_00000003"
+    values = runs.remote.to_dict()
+    cfg = TrainConfig.from_dict({**values, "run": {**values["run"], "name": "load-probe"}})  # its own metrics
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    run_workers(_load_from_storage, {"config": cfg.to_dict(), "store": str(store), "checkpoint": ckpt,
+                                     "out": str(tmp_path)}, tmp_path)
+    sizes = ckpt.files()
+    total = sum(size for name, size in sizes.items() if name.endswith(".distcp"))
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["step"] == 3 and seen["readers"] == [StorageReader.__name__]
+        own = sizes[f"__{rank}_0.distcp"]  # give or take the replicated scalars (AdamW's step), saved once
+        assert 0.9 * own < seen["bytes_read"] < 1.1 * own < 0.6 * total, (rank, seen["bytes_read"], sizes)
+
+
+def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix):
+    """HYBRID_SHARD on logical nodes of one host: the workers refuse the layout, rank 0 leaves the error in
+    raysft_error.json on s3://, and the driver raises it instead of Ray retrying."""
+    cfg = s3_config(tmp_path, prefix, **{"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
+                                         "train.micro_batch_size": 2, "train.global_batch_size": 8})
+    with pytest.raises(ConfigError, match="HYBRID_SHARD on one node"):
+        raysft.train(cfg)
+    assert json.loads((cfg.run_dir / FATAL_ERROR_FILE).read_text())["type"] == "ConfigError"
+    with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):
+        raysft.export(f"{cfg.run_dir}/checkpoint_00000001", tmp_path / "never")
