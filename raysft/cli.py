@@ -10,7 +10,7 @@ import transformers
 
 from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.config import ConfigError, TrainConfig, load_config
-from raysft.data import prepare_store, read_manifest
+from raysft.data import prepare_store, read_manifest, store_files
 from raysft.hf_export import DEFAULT_SHARD_BYTES, export
 from raysft.launch import train
 from raysft.metrics import METRICS_FILE, ProgressBar
@@ -79,6 +79,8 @@ def _prepare(config: TrainConfig) -> int:
     store = prepare_store(config.data, load_tokenizer(config.model, config.data.chat_template), config.store_dir)
     counts = read_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
+    if store.built_with == "ray":
+        print(f"raysft: tokenized by Ray Data tasks into {len(store_files(store.path))} parquet files")
     return 0
 
 

@@ -7,6 +7,9 @@ seen. Each optimizer step consumes `global_batch_size` samples; the last partial
 
 from __future__ import annotations
 
+import operator
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from raysft.data import IGNORE_INDEX
+from raysft.data import IGNORE_INDEX, store_files
 
 
 @dataclass
@@ -32,14 +35,67 @@ class DataCursor:
 
 
 class TokenizedDataset:
-    def __init__(self, store: Path):
-        table = pq.read_table(store / "samples.parquet", columns=["input_ids", "labels", "num_loss_tokens"])
-        self.input_ids = table.column("input_ids").to_pylist()
-        self.labels = table.column("labels").to_pylist()
-        self.num_loss_tokens = table.column("num_loss_tokens").to_numpy()
+    """The store's samples, read from disk when asked for: a worker holds one integer per sample (the loss-token
+    counts, which every step sums over its global batch) and a few decoded row groups, not the whole data set.
+
+    `input_ids[i]` and `labels[i]` are lists of ints. A random read decodes the sample's row group (about
+    data.ROW_GROUP_BYTES of tokens); the last `cached_row_groups` stay decoded, enough for a micro-batch's reads of
+    both columns to decode each group once.
+    """
+
+    def __init__(self, store: Path, cached_row_groups: int = 64):
+        # Footers only, no open files: a store built on Ray may have thousands of them.
+        self._files = [(path, pq.read_metadata(path)) for path in store_files(store)]
+        self.num_loss_tokens = np.concatenate(
+            [pq.read_table(path, columns=["num_loss_tokens"]).column(0).to_numpy() for path, _ in self._files])
+        self._groups = [(f, g) for f, (_, meta) in enumerate(self._files) for g in range(meta.num_row_groups)]
+        self._starts = np.cumsum([0] + [self._files[f][1].row_group(g).num_rows for f, g in self._groups])
+        self._cache: OrderedDict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = OrderedDict()
+        self._cache_size = cached_row_groups
+        self.input_ids, self.labels = _Column(self, "input_ids"), _Column(self, "labels")
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        return int(self._starts[-1])
+
+    def _row(self, column: str, i: int) -> list[int]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        g = int(np.searchsorted(self._starts, i, side="right")) - 1
+        offsets, values = self._group(g)[column]
+        j = i - self._starts[g]
+        return values[offsets[j] : offsets[j + 1]].tolist()
+
+    def _group(self, g: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        group = self._cache.pop(g, None)
+        if group is None:
+            f, rg = self._groups[g]
+            path, meta = self._files[f]
+            with pq.ParquetFile(path, metadata=meta) as pf:
+                table = pf.read_row_group(rg, columns=["input_ids", "labels"])
+            group = {}
+            for name in ("input_ids", "labels"):
+                lists = table.column(name).combine_chunks()
+                group[name] = lists.offsets.to_numpy(), lists.values.to_numpy()
+            if len(self._cache) >= self._cache_size:
+                self._cache.popitem(last=False)
+        self._cache[g] = group
+        return group
+
+
+class _Column(Sequence):
+    """One token column of a TokenizedDataset, indexable like the list of lists it replaces."""
+
+    def __init__(self, dataset: TokenizedDataset, name: str):
+        self._dataset, self._name = dataset, name
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        return self._dataset._row(self._name, i + len(self) if i < 0 else i)
 
 
 def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
@@ -72,7 +128,8 @@ def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int, mic
     return [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
 
 
-def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int, packing: bool = False) -> dict[str, torch.Tensor]:
+def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int,
+            packing: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence in this micro-batch (not to max_seq_len); with `packing`, one row of the
     samples back to back instead, no padding at all.
 

@@ -5,9 +5,18 @@ import pytest
 from conftest import SHARED_DATASETS
 
 from raysft.config import DataConfig, ModelConfig
-from raysft.data import IGNORE_INDEX, DataError, prepare_store, read_manifest, to_messages, tokenize_messages
+from raysft.data import (
+    IGNORE_INDEX,
+    DataError,
+    prepare_store,
+    read_manifest,
+    read_store,
+    store_files,
+    to_messages,
+    tokenize_messages,
+)
 from raysft.demo import DEMO_CHAT_TEMPLATE
-from raysft.tokenizer import VICUNA_TEMPLATE, load_tokenizer
+from raysft.tokenizer import VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
 
 CONV = [
     {"from": "system", "value": "Be brief."},
@@ -143,3 +152,152 @@ def test_fastchat_dummy_conversations(tmp_path, tok):
     answers = "<|end|>".join(t["value"] for t in first if t["from"] == "gpt") + "<|end|>"
     row = table.slice(0, 1).to_pylist()[0]
     assert assistant_text(tok, row["labels"]) == answers
+
+
+# --- the Ray Data path: the same store as the local one -----------------------------------------------------------
+
+FASTCHAT = SHARED_DATASETS / "fastchat" / "dummy_conversation.json"
+needs_fastchat = pytest.mark.skipif(not FASTCHAT.is_file(), reason="../shared/datasets is not present")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of a few KiB, so that every test file is cut into several Ray tasks, mid-file."""
+    import raysft.data
+
+    monkeypatch.setattr(raysft.data, "MIN_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(raysft.data, "CHUNK_BYTES", 16384)
+
+
+def prepare_both(tok, tmp_path, paths, **data):
+    local = prepare_store(DataConfig(paths=[str(p) for p in paths], prepare="local", **data), tok, tmp_path / "local")
+    on_ray = prepare_store(DataConfig(paths=[str(p) for p in paths], prepare="ray", **data), tok, tmp_path / "ray")
+    assert (local.built_with, on_ray.built_with) == ("local", "ray")
+    return local, on_ray
+
+
+def assert_same_store(local, on_ray):
+    assert on_ray.path.name == local.path.name and on_ray.num_samples == local.num_samples
+    assert len(store_files(on_ray.path)) > 1  # really cut into chunks
+    assert read_store(on_ray.path).equals(read_store(local.path))  # rows, order, columns, values
+    assert (on_ray.path / "manifest.json").read_text() == (local.path / "manifest.json").read_text()
+
+
+def bad_copy(path, tmp_path, bad: dict[int, object]):
+    """A JSON-array data file with some records replaced by bad ones."""
+    records = json.loads(path.read_text())
+    for index, record in bad.items():
+        records[index] = record
+    out = tmp_path / f"bad-{path.name}"
+    out.write_text(json.dumps(records, indent=1, ensure_ascii=False))
+    return out
+
+
+def test_ray_store_equals_local_store_on_the_demo_data(tmp_path, tok, ray_cluster, small_chunks):
+    assert_same_store(*prepare_both(tok, tmp_path, ["builtin:demo"]))
+
+
+@needs_fastchat
+def test_ray_store_equals_local_store_on_fastchat_data(tmp_path, tok, ray_cluster, small_chunks):
+    local, on_ray = prepare_both(tok, tmp_path, [FASTCHAT, "builtin:demo"], max_seq_len=24, on_bad_record="skip")
+    assert_same_store(local, on_ray)
+    counts = read_manifest(on_ray.path)["counts"]
+    assert counts["truncated"] > 0 and counts["skipped"]  # short max_seq_len: truncations and empty samples
+
+
+@needs_fastchat
+def test_ray_skips_the_same_bad_records(tmp_path, tok, ray_cluster, small_chunks):
+    data = bad_copy(FASTCHAT, tmp_path, {3: BAD_RECORDS["unknown_role"], 250: {"conversations": []},
+                                         251: BAD_RECORDS["no_assistant_turn"], 499: "not an object"})
+    jsonl = write_jsonl(tmp_path / "d.jsonl", [GOOD, "", *BAD_RECORDS.values(), "  \t", GOOD] * 20)
+    local, on_ray = prepare_both(tok, tmp_path, [data, jsonl], on_bad_record="skip")
+    assert_same_store(local, on_ray)
+    counts = read_manifest(on_ray.path)["counts"]
+    assert counts["records"] == 500 + 20 * (2 + len(BAD_RECORDS)) and on_ray.num_samples == 496 + 40
+    assert counts["skipped"] == {"unknown_role": 21, "empty_conversation": 21, "no_assistant_turn": 21,
+                                 "bad_structure": 21, "invalid_json": 20, "non_string_content": 20}
+
+
+def ray_error(tok, tmp_path, paths) -> str:
+    """The DataError message of both paths, checked equal, with nothing left in either store root."""
+    messages = []
+    for prepare in ("local", "ray"):
+        root = tmp_path / prepare
+        with pytest.raises(DataError) as e:
+            prepare_store(DataConfig(paths=[str(p) for p in paths], prepare=prepare), tok, root)
+        assert not any(root.iterdir())
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    return messages[0]
+
+
+@needs_fastchat
+def test_ray_reports_the_first_bad_record_as_the_local_path_does(tmp_path, tok, ray_cluster, small_chunks):
+    data = bad_copy(FASTCHAT, tmp_path, {400: {"conversations": []}, 480: BAD_RECORDS["unknown_role"]})
+    assert ray_error(tok, tmp_path, [FASTCHAT, data]).startswith(f"{data}: record 400: 'conversations' is empty")
+    lines = [GOOD] * 300 + ["", BAD_RECORDS["invalid_json"], GOOD, BAD_RECORDS["bad_structure"]]
+    jsonl = write_jsonl(tmp_path / "d.jsonl", lines)
+    assert ray_error(tok, tmp_path, ["builtin:demo", jsonl]).startswith(
+        f"{jsonl}: record 300: line 302 is not valid JSON: ")
+
+
+def test_ray_meets_an_unreadable_file_where_the_local_path_does(tmp_path, tok, ray_cluster, small_chunks):
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"conversations": []},')
+    bad_first = write_jsonl(tmp_path / "a.jsonl", [GOOD] * 100 + [BAD_RECORDS["empty_conversation"]])
+    assert ray_error(tok, tmp_path, [bad_first, broken]).startswith(f"{bad_first}: record 100: ")
+    good = write_jsonl(tmp_path / "b.jsonl", [GOOD] * 100)
+    assert ray_error(tok, tmp_path, [good, broken]).startswith(f"{broken}: not valid JSON")
+
+
+def test_jsonl_lines_read_the_same_cut_anywhere(tmp_path, tok, ray_cluster, small_chunks, monkeypatch):
+    """Blank lines (also Unicode blanks), CRLF endings and bytes that are not UTF-8, cut into chunks mid-file; the
+    path is relative to the driver's directory, not the Ray workers'."""
+    good = json.dumps(GOOD).encode()
+    lines = [good + b"\r\n", b"\r\n", "\u00a0\u3000\n".encode(), good + b"\n", b"\xff" + good + b"\n",
+             '{"messages": [{"role": "user", "content": "h\u00e9"}, {"role": "assistant", "content": "\u00e7a"}]}\n'
+             .encode()] * 150
+    (tmp_path / "d.jsonl").write_bytes(b"".join(lines) + good)  # no newline at the end
+    monkeypatch.chdir(tmp_path)
+    local, on_ray = prepare_both(tok, tmp_path, ["d.jsonl"], on_bad_record="skip")
+    assert_same_store(local, on_ray)
+    assert read_manifest(on_ray.path)["counts"]["skipped"] == {"invalid_json": 150}
+    assert read_store(on_ray.path).column("source")[0].as_py() == "d.jsonl"
+    assert read_store(on_ray.path).column("record").to_pylist()[-3:] == [597, 599, 600]
+
+
+def test_auto_prepares_on_ray_only_for_large_inputs_when_ray_is_there(tmp_path, tok, ray_cluster, monkeypatch):
+    import ray
+
+    import raysft.data
+
+    data = DataConfig(paths=["builtin:demo"])  # prepare: auto
+    assert prepare_store(data, tok, tmp_path / "a").built_with == "local"  # 390 kB: not worth Ray
+    monkeypatch.setattr(raysft.data, "RAY_MIN_BYTES", 1000)
+    assert prepare_store(data, tok, tmp_path / "b").built_with == "ray"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert prepare_store(data, tok, tmp_path / "c").built_with == "local"  # no cluster: none is started for it
+
+
+def test_json_array_spans_agree_with_json_loads():
+    from raysft.data import _json_array_spans
+
+    text = ' \n[ {"a": "]", "b": [1, {"c": "\\","}]} ,\r\n"x" ,3.5e2, null,[] ]\n '
+    spans = _json_array_spans(text)
+    assert [json.loads(text[a:b]) for a, b in spans] == json.loads(text)
+    assert _json_array_spans("[]") == [] and _json_array_spans(" [ ] ") == []
+    for not_an_array in ('{"a": 1}', "[1,]", "[1 2]", "[1] x", "\ufeff[1]", "", "[", "[1,2"):
+        assert _json_array_spans(not_an_array) is None
+
+
+def test_a_ray_task_that_cannot_see_the_input_says_what_to_do(tmp_path, tok):
+    from dataclasses import asdict
+
+    from raysft.data import _Chunk, _tokenize_chunks
+
+    chunk = _Chunk(0, str(tmp_path / "elsewhere.jsonl"), "elsewhere.jsonl", jsonl=True, start=0, end=10, index=0)
+    out = _tokenize_chunks({"chunk": [json.dumps(asdict(chunk))]}, tok, tokenizer_fingerprint(tok), 512, "error",
+                           str(tmp_path))
+    error = json.loads(out["result"][0])["error"]
+    assert "elsewhere.jsonl: not found on " in error and "a shared mount), or set data.prepare=local" in error

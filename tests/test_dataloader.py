@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+import torch
 
 from raysft.dataloader import DataCursor, GlobalBatchSampler, rank_micro_batches
 
@@ -70,3 +71,94 @@ def test_a_packed_micro_batch_has_the_loss_of_the_padded_one_and_no_attention_ac
         reference = loss(padded)
         torch.testing.assert_close(loss(packed), reference)
         assert not torch.allclose(loss(leaky), reference)  # without the restarts, samples attend to each other
+
+
+# --- reading the store lazily ---------------------------------------------------------------------------------------
+
+
+def synthetic_store(store, lengths, files: int = 1, seed: int = 0):
+    """A store of random token rows as the tokenizer would write them (labels mask a prefix of each sample); with
+    files > 1, split as a Ray build splits it (samples-<chunk>.parquet, some chunk numbers missing)."""
+    import pyarrow as pa
+
+    from raysft.data import write_samples
+
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = rng.integers(300, 32000, offsets[-1], dtype=np.int32)
+    labels = np.where(np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths) < np.repeat(lengths // 2, lengths),
+                      -100, ids).astype(np.int32)
+    table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, ids),
+                      "labels": pa.ListArray.from_arrays(offsets, labels),
+                      "num_loss_tokens": pa.array((lengths - lengths // 2 - 1).astype(np.int32)),
+                      "source": pa.array(["synthetic"] * len(lengths)),
+                      "record": pa.array(np.arange(len(lengths)))})
+    store.mkdir(parents=True)
+    if files == 1:
+        write_samples(table, store / "samples.parquet")
+    else:
+        for i, part in enumerate(np.array_split(np.arange(len(lengths)), files)):
+            write_samples(table.slice(part[0], len(part)), store / f"samples-{3 * i:05d}.parquet")
+    return table
+
+
+def test_lazy_reading_gives_the_samples_of_the_whole_table_in_any_order(tmp_path, monkeypatch):
+    import raysft.data
+    from raysft.dataloader import TokenizedDataset, collate
+
+    monkeypatch.setattr(raysft.data, "ROW_GROUP_BYTES", 2048)  # many row groups per file
+    lengths = np.random.default_rng(1).integers(2, 120, 1000)
+    for files in (1, 7):
+        table = synthetic_store(tmp_path / str(files), lengths, files)
+        ds = TokenizedDataset(tmp_path / str(files), cached_row_groups=3)
+
+        class Reference:  # what TokenizedDataset used to hold: the whole table as Python lists
+            input_ids, labels = table["input_ids"].to_pylist(), table["labels"].to_pylist()
+
+        assert len(ds) == len(ds.input_ids) == 1000 and sum(meta.num_row_groups for _, meta in ds._files) > 2 * files
+        order = np.random.default_rng(2).permutation(1000)
+        assert [ds.input_ids[i] for i in order] == [Reference.input_ids[i] for i in order]
+        assert [ds.labels[i] for i in order] == [Reference.labels[i] for i in order]
+        assert list(ds.input_ids) == Reference.input_ids and ds.labels[-1] == Reference.labels[-1]
+        np.testing.assert_array_equal(ds.num_loss_tokens, table["num_loss_tokens"].to_numpy())
+        for packing in (False, True):
+            for batch in np.array_split(order, 50):
+                got, want = collate(ds, batch, 0, packing), collate(Reference, batch, 0, packing)
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        with pytest.raises(IndexError):
+            ds.input_ids[1000]
+
+
+def test_a_dataset_holds_one_integer_per_sample_not_its_tokens(tmp_path):
+    """200k samples, 13M tokens (102 MB as int32 ids + labels; about 1 GB as the Python lists it used to hold). What
+    the dataset allocates, Python objects (tracemalloc) and Arrow buffers (its memory pool) together, stays near the
+    loss-token counts and a few row groups: the tokens stay on disk and in the page cache."""
+    import gc
+    import tracemalloc
+
+    import pyarrow as pa
+
+    from raysft.data import ROW_GROUP_BYTES
+    from raysft.dataloader import TokenizedDataset
+
+    lengths = np.random.default_rng(0).integers(32, 96, 200_000)
+    synthetic_store(tmp_path / "store", lengths)
+    token_bytes = 8 * int(lengths.sum())
+
+    TokenizedDataset(tmp_path / "store")  # the first one imports modules: not memory that a dataset holds
+    gc.collect()
+    arrow_before = pa.total_allocated_bytes()
+    tracemalloc.start()
+    try:
+        ds = TokenizedDataset(tmp_path / "store", cached_row_groups=16)
+        opened = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow_before
+        for i in np.random.default_rng(1).permutation(len(lengths))[:2000]:
+            assert len(ds.input_ids[i]) == len(ds.labels[i]) == lengths[i]
+        after_reads = tracemalloc.get_traced_memory()[0] + pa.total_allocated_bytes() - arrow_before
+    finally:
+        tracemalloc.stop()
+    print(f"\ntokens {token_bytes / 2**20:.1f} MiB; held by the dataset: {opened / 2**20:.1f} MiB when opened, "
+          f"{after_reads / 2**20:.1f} MiB after 2000 random reads")
+    assert opened < 16 * len(lengths)  # the int32 loss-token counts (twice, while concatenating) and the index
+    assert after_reads < 16 * len(lengths) + 16 * 1.5 * ROW_GROUP_BYTES  # + at most 16 decoded row groups
+    assert after_reads < token_bytes / 10
