@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     save_results(args.out, args, results, report(results, args, setup.params))
 
 
+def theory(strategy: str, params: int, args: argparse.Namespace) -> float:
+    """(params + grads + AdamW's two moments) in fp32 = 16 bytes per parameter, over the shard-group size, MiB."""
+    shards = {"NO_SHARD": 1, "HYBRID_SHARD": args.workers // 2}.get(strategy.split("-")[0], args.workers)
+    return 16 * params / shards / MiB
+
+
 def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
     base = results[0]
     process = "CUDA allocator peak" if args.gpu else "RSS peak"
@@ -98,7 +104,8 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
              f"{args.mixed_precision}, seq {args.seq_len} × micro-batch {args.micro_batch}, "
              f"largest value over workers, MiB", "",
              f"| strategy | peak tensors | vs {base['strategy']} | params | grads | optimizer | activations + temp "
-             f"| {process} | s/step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| {process} | s/step | model state in theory | measured / theory |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         def part(*keys: str, b: dict = r["breakdown_mib"]) -> float:
             return sum(b.get(k, 0.0) for k in keys)
@@ -108,7 +115,8 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
             f"| {part('Sharded Param', 'Unsharded Param', 'All Gather'):.0f} "
             f"| {part('Sharded Grad', 'Unsharded Grad', 'Reduce Scatter'):.0f} | {part('OptState'):.0f} "
             f"| {part('Activation', 'Temp', 'Inputs', 'Buffer'):.0f} | {r['process_peak_mib']:.0f} "
-            f"| {r['step_s']:.2f} |")
+            f"| {r['step_s']:.2f} | {theory(r['strategy'], params, args):.0f} "
+            f"| {part('Sharded Param', 'Sharded Grad', 'OptState') / theory(r['strategy'], params, args):.2f} |")
     return "\n".join(lines)
 
 

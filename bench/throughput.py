@@ -93,11 +93,11 @@ def tokens_per_s_per_worker(rows: list[dict], warmup: int, workers: int) -> floa
 
 def flops_per_token(setup: Setup) -> float:
     import numpy as np
-    import pyarrow.parquet as pq
+
+    from raysft.data import read_store
 
     c = setup.model_config
-    lengths = np.array([len(x) for x in pq.read_table(setup.store / "samples.parquet",
-                                                      columns=["input_ids"]).column("input_ids").to_pylist()])
+    lengths = np.array([len(x) for x in read_store(setup.store, columns=["input_ids"]).column("input_ids").to_pylist()])
     matmul_params = setup.params - c.vocab_size * c.hidden_size  # the input embedding is a lookup
     mean_attended = float((lengths**2).sum() / lengths.sum())  # a token of a sample of n tokens attends over n
     return 6 * matmul_params + 12 * c.num_hidden_layers * c.hidden_size * mean_attended
