@@ -4,6 +4,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,20 @@ def cli_env():
 def run_cli(*args, env, input=None, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "raysft", *args], env=env, cwd=REPO, input=input,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent (init) to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def http_status(url: str, token: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:  # straight to 127.0.0.1, whatever http_proxy says
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code

@@ -13,13 +13,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from conftest import http_status, running
 
 from raysft.config import load_config
 
@@ -225,23 +224,6 @@ def free_port() -> int:
 
 def recorded_pids(state: Path) -> list[int]:
     return [int(p) for p in (state / "pids").read_text().split()] if (state / "pids").exists() else []
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie waiting for its parent (init) to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def http_status(url: str, token: str | None = None) -> int:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:  # straight to 127.0.0.1, whatever http_proxy says
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 @pytest.fixture

@@ -12,14 +12,12 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, http_status, running
 
 LOCAL_SH = REPO / "cluster" / "local.sh"
 # The ray executable local.sh starts the nodes with; its directory goes first on the nodes' PATH.
@@ -45,14 +43,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie waiting for its parent (init) to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def cluster_pids(state: Path, mark: str) -> set[int]:
     """What local.sh stop must end: every process carrying the cluster's mark (job drivers and Ray Train workers
     included) and every member of a session local.sh recorded."""
@@ -70,15 +60,6 @@ def cluster_pids(state: Path, mark: str) -> set[int]:
         if f"RAYSFT_LOCAL_CLUSTER={mark}".encode() in environ or sid in sessions:
             pids.add(int(proc.name))
     return {p for p in pids if running(p)}
-
-
-def http_status(url: str, token: str | None = None) -> int:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:  # straight to 127.0.0.1, whatever http_proxy says
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
 
 
 def git_ignored() -> list[str]:
