@@ -14,7 +14,9 @@ Either layout loads on any number of workers and any sharding strategy (broadcas
 resharding), and a run may switch modes across a resume. Checkpoints are written to local scratch directories (Ray
 uploads them) and loaded from wherever the run lives: on remote storage each rank of a sharded load reads just its
 byte ranges (`StorageReader`), and rank 0 of a full load downloads the files it needs. Tensors live in
-safetensors or DCP files and the rest in JSON: loading a checkpoint never unpickles anything.
+safetensors or DCP files and the rest in JSON. A full checkpoint is never unpickled; a sharded one is, in one
+place that is torch's own: DCP reads its `.metadata` index with pickle, so load sharded checkpoints only from
+storage that only trusted writers can write to.
 """
 
 from __future__ import annotations
