@@ -153,7 +153,16 @@ def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int,
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
+def sample_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Each sample's real token count, read off a collated batch (padded or packed)."""
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        return mask.sum(1).tolist()
+    positions = batch["position_ids"][0]
+    starts = (positions == 0).nonzero().flatten().tolist()
+    return np.diff([*starts, len(positions)]).tolist()
+
+
 def num_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The batch's real (non-padding) tokens."""
-    mask = batch.get("attention_mask")
-    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())
+    return torch.tensor(sum(sample_lengths(batch)))

@@ -37,8 +37,8 @@ from raysft.dataloader import (
     GlobalBatchSampler,
     TokenizedDataset,
     collate,
-    num_tokens,
     rank_micro_batches,
+    sample_lengths,
 )
 from raysft.metrics import (
     MetricsLogger,
@@ -166,11 +166,10 @@ class Trainer:
         loss_tokens = max(1, int(self.dataset.num_loss_tokens[global_batch].sum()))
         micro_batches = rank_micro_batches(global_batch, ctx.rank, ctx.world_size, t.micro_batch_size)
         loss_sum = torch.zeros((), device=ctx.device)
-        tokens = torch.zeros((), device=ctx.device)
-        lengths = [len(self.dataset.input_ids[i]) for indices in micro_batches for i in indices]
+        lengths: list[int] = []
         for i, indices in enumerate(micro_batches):
             batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
-            tokens += num_tokens(batch)
+            lengths += sample_lengths(batch)
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
             labels = batch.pop("labels")
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per optimizer step
@@ -195,7 +194,7 @@ class Trainer:
 
         c = self.hf_config
         flops = training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)
-        totals = torch.stack([loss_sum, tokens, torch.tensor(flops, device=ctx.device)])
+        totals = torch.tensor([loss_sum.item(), sum(lengths), flops], device=ctx.device)
         dist.all_reduce(totals)
         elapsed = time.perf_counter() - start
         peak_mem = torch.tensor(peak_memory_gb(ctx.device), device=ctx.device)
