@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -44,8 +45,8 @@ def _measure(loop: dict) -> None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return value.item()
 
-    results = {}
-    for mode, asynchronous in VARIANTS:
+    results: dict[str, list[dict]] = {}
+    for mode, asynchronous in [v for r in range(loop["repeats"]) for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1])]:
         name = f"{mode}{'-async' if asynchronous else ''}"
         root = Path(loop["out"]) / name
         mine, merged = root / f"rank{ctx.rank}", root / "merged"
@@ -68,8 +69,9 @@ def _measure(loop: dict) -> None:
         start = time.perf_counter()
         load(merged, trainer.objs)
         load_s = slowest(time.perf_counter() - start)
-        results[name] = {"bytes": written.item(), "save_s": slowest(save_s), "blocking_s": slowest(blocking),
-                         "load_s": load_s, "save_peak_mib": (memory.peak - before) / MiB}
+        results.setdefault(name, []).append({"bytes": written.item(), "save_s": slowest(save_s),
+                                             "blocking_s": slowest(blocking), "load_s": load_s,
+                                             "save_peak_mib": (memory.peak - before) / MiB})
         dist.barrier()
         shutil.rmtree(mine, ignore_errors=True)
         dist.barrier()
@@ -91,33 +93,45 @@ def disk_write_gbps(directory: Path, size_mib: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, workers=2)
+    parser.add_argument("--repeats", type=int, default=3, help="saves and loads per variant, interleaved")
     parser.add_argument("--out", default="runs/bench/checkpoint.json")
     args = parser.parse_args(argv)
 
     setup = Setup(args, "checkpoint")
-    ranks = setup.run(_measure, "checkpoint", {"config": setup.config().to_dict()})
-    state_mib = ranks[0]["full"]["bytes"] / MiB
-    disk = disk_write_gbps(setup.work, max(256, int(state_mib)))
-    results = [{"variant": name, "disk_write_gbps": disk, **ranks[0][name],
-                "rank0_save_peak_mib": ranks[0][name]["save_peak_mib"],
-                "max_other_save_peak_mib": max((r[name]["save_peak_mib"] for r in ranks[1:]), default=0.0)}
-               for name in ranks[0] if name != "rank"]
+    ranks = setup.run(_measure, "checkpoint", {"config": setup.config().to_dict(), "repeats": args.repeats})
+    state_mib = ranks[0]["full"][0]["bytes"] / MiB
+    disks = [disk_write_gbps(setup.work, max(256, int(state_mib))) for _ in range(args.repeats)]
+    results = []
+    for name in (n for n in ranks[0] if n != "rank"):
+        runs = ranks[0][name]  # times are the slowest rank's already
+        median = {k: statistics.median(run[k] for run in runs) for k in ("save_s", "blocking_s", "load_s")}
+        results.append({"variant": name, "disk_write_gbps": statistics.median(disks), "disk_runs": disks,
+                        "bytes": runs[0]["bytes"], "runs": runs, **median,
+                        "rank0_save_peak_mib": max(run["save_peak_mib"] for run in runs),
+                        "max_other_save_peak_mib": max((run["save_peak_mib"] for r in ranks[1:] for run in r[name]),
+                                                       default=0.0)})
     save_results(args.out, args, results, report(results, args, setup.params))
 
 
 def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
-    disk = results[0]["disk_write_gbps"]
+    def span(r: dict, key: str) -> str:
+        values = [run[key] for run in r["runs"]]
+        return f"{r[key]:.2f} ({min(values):.2f}-{max(values):.2f})"
+
+    disk, disks = results[0]["disk_write_gbps"], results[0]["disk_runs"]
     sync = {r["variant"]: r["save_s"] for r in results}
     lines = [f"checkpoint speed: {args.workers} {'GPU' if args.gpu else 'CPU'} workers, LLaMA of {params / 1e6:.0f}M "
-             f"parameters (weights + AdamW state), disk write bandwidth by dd: {disk:.2f} GB/s", "",
+             f"parameters (weights + AdamW state); disk write bandwidth by dd: {disk:.2f} GB/s ({min(disks):.2f}-"
+             f"{max(disks):.2f}); {args.repeats} saves and loads per variant, interleaved: median (min-max)", "",
              "| variant | size (MiB) | save (s) | save GB/s | vs disk | blocks training (s) | vs sync save "
              "| load (s) | load GB/s | rank 0 peak during save (MiB) | other ranks (MiB) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         gbps = r["bytes"] / r["save_s"] / 1e9
         base = sync[r["variant"].removesuffix("-async")]
-        lines.append(f"| {r['variant']} | {r['bytes'] / MiB:.0f} | {r['save_s']:.2f} | {gbps:.2f} | {gbps / disk:.2f} "
-                     f"| {r['blocking_s']:.2f} | {r['blocking_s'] / base:.2f} | {r['load_s']:.2f} "
+        lines.append(f"| {r['variant']} | {r['bytes'] / MiB:.0f} | {span(r, 'save_s')} | {gbps:.2f} "
+                     f"| {gbps / disk:.2f} "
+                     f"| {span(r, 'blocking_s')} | {r['blocking_s'] / base:.2f} | {span(r, 'load_s')} "
                      f"| {r['bytes'] / r['load_s'] / 1e9:.2f} | {r['rank0_save_peak_mib']:.0f} "
                      f"| {r['max_other_save_peak_mib']:.0f} |")
     return "\n".join(lines)

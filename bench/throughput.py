@@ -77,7 +77,9 @@ def run_hf(setup: Setup, name: str) -> list[dict]:
 
 
 def torchrun(args: list[str], workers: int) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # Ray gives each worker OMP_NUM_THREADS = its CPUs (1); torchrun sets 1 only for more than one process
+    env = {"OMP_NUM_THREADS": "1", **os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                     *args], env=env, check=True, stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE")
                     else None)
