@@ -48,7 +48,7 @@ def measure(setup: Setup, mode: str, name: str, every: int) -> dict:
     from raysft.metrics import read_metrics
 
     cfg = setup.config(f"run.name={name}", f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}",
-                       f"train.max_steps={every + 4}", "train.log_every_n_steps=1000", "scaling.max_failures=1",
+                       f"train.max_steps={3 * every}", "train.log_every_n_steps=1000", "scaling.max_failures=1",
                        "train.warmup_steps=1")
 
     def steps() -> list[dict]:

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
               f"model.attn_implementation={args.attn}", "train.log_every_n_steps=1000",
               "checkpoint.every_n_steps=1000", "checkpoint.mode=sharded", "train.warmup_steps=2"]
     measured: dict[str, list[float]] = {v: [] for v in variants}
+    final_loss: dict[str, list[float | None]] = {v: [] for v in variants}
     walls: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         for variant in variants if repeat % 2 == args.reverse else variants[::-1]:  # ABC CBA: drift cancels
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                     run_torchrun(setup, cfg) if variant == "torchrun" else run_raysft(setup, cfg))
             walls[variant].append(time.perf_counter() - start)
             measured[variant].append(tokens_per_s_per_worker(rows, args.warmup, args.workers))
+            final_loss[variant].append(max(rows, key=lambda r: r["step"]).get("loss"))  # None for hf
             print(f"bench: {name}: {measured[variant][-1]:.0f} tokens/s per worker", file=sys.stderr, flush=True)
 
     env = environment()
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     fpt = flops_per_token(setup)
     base = statistics.median(measured[variants[0]])
     results = [{"variant": v, "tokens_per_s_per_worker": measured[v], "median": statistics.median(measured[v]),
-                "vs_baseline": statistics.median(measured[v]) / base, "wall_s": walls[v],
+                "vs_baseline": statistics.median(measured[v]) / base, "wall_s": walls[v], "final_loss": final_loss[v],
                 "mfu": statistics.median(measured[v]) * fpt / (peak * 1e12) if peak else None,
                 "mfu_vs_measured_matmul": statistics.median(measured[v]) * fpt / (matmul * 1e12) if matmul else None}
                for v in variants]

@@ -1,0 +1,61 @@
+"""The benchmark harness, run for real at toy size, so that the commands in docs/BENCHMARKS.md keep working. No
+timings are asserted (they belong in the benchmark's report); what is checked is what must hold on any machine:
+the same training under Ray and torchrun gives the same losses, a killed worker costs only the steps since the
+checkpoint, sharding divides the optimizer state, and every result file is written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, cli_env
+
+TOY = ["--hidden", "128", "--layers", "2", "--seq-len", "128", "--micro-batch", "2", "--data", "builtin:demo"]
+
+
+@pytest.fixture
+def bench(tmp_path):
+    def run(script: str, *args: str) -> list[dict]:
+        out = tmp_path / f"{script}.json"
+        with cli_env() as env:  # the harness's scratch directories go to tmp_path
+            proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), *TOY, *args, "--out",
+                                   str(out)], env={**env, "TMPDIR": str(tmp_path)}, cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        saved = json.loads(out.read_text())
+        assert saved["command"].startswith("python ") and saved["environment"]["torch"]
+        assert "|---|" in out.with_suffix(".md").read_text()  # the markdown table beside the JSON
+        return saved["results"]
+
+    return run
+
+
+def test_throughput_runs_every_variant_and_ray_trains_exactly_like_torchrun(bench):
+    results = bench("throughput", "--variants", "torchrun,raysft,raysft-packed,hf", "--global-batch", "8",
+                    "--steps", "3", "--warmup", "1", "--repeats", "1")
+    by = {r["variant"]: r for r in results}
+    assert list(by) == ["torchrun", "raysft", "raysft-packed", "hf"]
+    assert all(r["median"] > 0 and r["vs_baseline"] > 0 for r in results)
+    assert by["raysft"]["final_loss"] == by["torchrun"]["final_loss"]  # same Trainer, same collectives (gloo)
+    assert by["raysft-packed"]["final_loss"][0] == pytest.approx(by["raysft"]["final_loss"][0], rel=1e-4)
+
+
+def test_checkpoint_measures_every_mode(bench):
+    results = bench("checkpoint", "--repeats", "1")
+    by = {r["variant"]: r for r in results}
+    assert sorted(by) == ["full", "full-async", "sharded", "sharded-async"]
+    assert by["sharded"]["bytes"] == pytest.approx(by["full"]["bytes"], rel=0.05)  # the same state, either way
+    assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["disk_write_gbps"] > 0 for r in results)
+
+
+def test_recovery_loses_only_the_steps_since_the_checkpoint(bench):
+    [sharded] = bench("recovery", "--modes", "sharded", "--repeats", "1", "--every", "3")
+    run = sharded["runs"][0]  # the kill lands on step 5 or, with toy steps, a little later
+    assert run["resumed_from"] % 3 == 0 and 0 <= run["steps_lost"] < 3 + 2
+    assert sharded["recovery_s"] > 0 and sharded["start_s"] > 0
+
+
+def test_memory_shows_sharding_divide_the_optimizer_state(bench):
+    no_shard, full_shard = bench("memory", "--workers", "2", "--strategies", "NO_SHARD,FULL_SHARD", "--steps", "2")
+    assert full_shard["breakdown_mib"]["OptState"] == pytest.approx(no_shard["breakdown_mib"]["OptState"] / 2,
+                                                                   rel=0.02)
