@@ -21,7 +21,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import MiB, PeakSampler, Setup, add_model_args, rss_bytes, save_results, trim_heap, write_rank_result
+from common import (
+    MiB,
+    PeakSampler,
+    Setup,
+    add_model_args,
+    median_span,
+    rss_bytes,
+    save_results,
+    trim_heap,
+    write_rank_result,
+)
 
 VARIANTS = [("full", False), ("full", True), ("sharded", False), ("sharded", True)]
 
@@ -114,10 +124,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
-    def span(r: dict, key: str) -> str:
-        values = [run[key] for run in r["runs"]]
-        return f"{r[key]:.2f} ({min(values):.2f}-{max(values):.2f})"
-
     disk, disks = results[0]["disk_write_gbps"], results[0]["disk_runs"]
     sync = {r["variant"]: r["save_s"] for r in results}
     lines = [f"checkpoint speed: {args.workers} {'GPU' if args.gpu else 'CPU'} workers, LLaMA of {params / 1e6:.0f}M "
@@ -129,9 +135,9 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
     for r in results:
         gbps = r["bytes"] / r["save_s"] / 1e9
         base = sync[r["variant"].removesuffix("-async")]
-        lines.append(f"| {r['variant']} | {r['bytes'] / MiB:.0f} | {span(r, 'save_s')} | {gbps:.2f} "
-                     f"| {gbps / disk:.2f} "
-                     f"| {span(r, 'blocking_s')} | {r['blocking_s'] / base:.2f} | {span(r, 'load_s')} "
+        save, blocking, load = (median_span(r["runs"], k) for k in ("save_s", "blocking_s", "load_s"))
+        lines.append(f"| {r['variant']} | {r['bytes'] / MiB:.0f} | {save} | {gbps:.2f} | {gbps / disk:.2f} "
+                     f"| {blocking} | {r['blocking_s'] / base:.2f} | {load} "
                      f"| {r['bytes'] / r['load_s'] / 1e9:.2f} | {r['rank0_save_peak_mib']:.0f} "
                      f"| {r['max_other_save_peak_mib']:.0f} |")
     return "\n".join(lines)

@@ -7,6 +7,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -88,6 +89,12 @@ class Setup:
 def write_rank_result(loop: dict, rank: int, result: dict) -> None:
     """Each rank writes its own numbers (a Ray report keeps only rank 0's)."""
     (Path(loop["out"]) / f"{loop['name']}.rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+
+
+def median_span(runs: list[dict], key: str, digits: int = 2) -> str:
+    """"median (min-max)" of one measurement over repeated runs."""
+    values = [run[key] for run in runs]
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def save_results(path: str, args: argparse.Namespace, results: list[dict], table: str) -> None:

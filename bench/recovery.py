@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from common import Setup, add_model_args, save_results
+from common import Setup, add_model_args, median_span, save_results
 
 HEALTH_CHECK_S = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0 (Ray's default)")
 
@@ -36,7 +36,7 @@ def train_worker_pids() -> list[int]:
     pids = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.cmdline()[:1] == ["ray::RayTrainWorker"] or child.name().startswith("ray::RayTrainWorker"):
+            if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):  # Ray's process title
                 pids.append(child.pid)
         except psutil.Error:
             pass
@@ -120,10 +120,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
-    def span(r: dict, key: str) -> str:
-        values = [run[key] for run in r["runs"]]
-        return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
     lines = [f"recovery from a killed worker: {args.workers} {'GPU' if args.gpu else 'CPU'} workers, LLaMA of "
              f"{params / 1e6:.0f}M parameters, checkpoint every {args.every} steps, worker killed at step "
              f"{args.every + 2}; Ray Train health check every {HEALTH_CHECK_S} s; {args.repeats} runs each, "
@@ -131,7 +127,8 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
              "", "| checkpoint mode | launch to first step (s) | kill to first step after resume (s) "
              "| recovery / launch | steps lost |", "|---|---:|---:|---:|---|"]
     for r in results:
-        lines.append(f"| {r['variant']} | {span(r, 'start_s')} | {span(r, 'recovery_s')} "
+        start, recovery = (median_span(r["runs"], k, digits=1) for k in ("start_s", "recovery_s"))
+        lines.append(f"| {r['variant']} | {start} | {recovery} "
                      f"| {r['recovery_vs_start']:.2f} | {', '.join(map(str, r['steps_lost']))} |")
     return "\n".join(lines)
 

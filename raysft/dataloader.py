@@ -162,7 +162,3 @@ def sample_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
     starts = (positions == 0).nonzero().flatten().tolist()
     return np.diff([*starts, len(positions)]).tolist()
 
-
-def num_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The batch's real (non-padding) tokens."""
-    return torch.tensor(sum(sample_lengths(batch)))

@@ -194,7 +194,7 @@ class Trainer:
 
         c = self.hf_config
         flops = training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)
-        totals = torch.tensor([loss_sum.item(), sum(lengths), flops], device=ctx.device)
+        totals = torch.cat([loss_sum.reshape(1), torch.tensor([sum(lengths), flops], device=ctx.device)])
         dist.all_reduce(totals)
         elapsed = time.perf_counter() - start
         peak_mem = torch.tensor(peak_memory_gb(ctx.device), device=ctx.device)

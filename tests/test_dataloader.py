@@ -44,7 +44,7 @@ def test_a_packed_micro_batch_has_the_loss_of_the_padded_one_and_no_attention_ac
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raysft.dataloader import collate, num_tokens
+    from raysft.dataloader import collate, sample_lengths
 
     gen = torch.Generator().manual_seed(0)
 
@@ -65,7 +65,7 @@ def test_a_packed_micro_batch_has_the_loss_of_the_padded_one_and_no_attention_ac
     padded, packed = collate(Samples, np.arange(4), 0), collate(Samples, np.arange(4), 0, packing=True)
     assert packed["input_ids"].shape == (1, 31) and "attention_mask" not in packed
     assert packed["position_ids"][0, 7:9].tolist() == [0, 1]  # the second sample starts over
-    assert num_tokens(padded) == num_tokens(packed) == 31
+    assert sum(sample_lengths(padded)) == sum(sample_lengths(packed)) == 31
     leaky = {**packed, "position_ids": torch.arange(31)[None]}  # as if the samples were one sequence
     with torch.no_grad():
         reference = loss(padded)
