@@ -1,7 +1,12 @@
 """The console script end to end, as a user runs it: its own local Ray, exit codes, printed paths."""
 
+import os
+import pty
+import subprocess
+import sys
+
 import pytest
-from conftest import cli_env
+from conftest import REPO, cli_env
 from conftest import run_cli as raysft
 
 
@@ -11,13 +16,37 @@ def env():
         yield env
 
 
-def test_train_export_and_prompt_from_the_command_line(tmp_path, env):
-    out = raysft("train", "jobs/configs/demo.yaml", "--set", "train.max_steps=6", "--set", "checkpoint.every_n_steps=3",
-                 "--set", "data.max_seq_len=96", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=cli",
-                 "--export", str(tmp_path / "hf"), "--prompt", "What is 2 plus 3?", env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in out.stdout
-    assert "assistant:" in out.stdout and (tmp_path / "hf" / "model.safetensors").is_file()
+def on_a_terminal(*args: str, env: dict, stdout_file) -> tuple[int, str]:
+    """`raysft ARGS` with stderr on a pseudo-terminal, as a user's shell runs it: its exit code and what the
+    terminal showed. stdout goes to a file, so a full pipe cannot stall the child while the terminal is read."""
+    controller, terminal = pty.openpty()
+    with open(stdout_file, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "raysft", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=terminal)
+    os.close(terminal)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(controller)
+    return proc.wait(timeout=600), seen.decode(errors="replace")
+
+
+def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env):
+    code, terminal = on_a_terminal(
+        "train", "jobs/configs/demo.yaml", "--set", "train.max_steps=6", "--set", "checkpoint.every_n_steps=3",
+        "--set", "data.max_seq_len=96", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=cli",
+        "--export", str(tmp_path / "hf"), "--prompt", "What is 2 plus 3?", env=env, stdout_file=tmp_path / "stdout")
+    assert code == 0, terminal[-3000:]
+    assert "\r\x1b[K" in terminal and "step 6/6" in terminal and "100%" in terminal and "| eta " in terminal
+    stdout = (tmp_path / "stdout").read_text()
+    assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in stdout
+    assert "assistant:" in stdout and (tmp_path / "hf" / "model.safetensors").is_file()
 
     again = raysft("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"), env=env)
     assert again.returncode == 0 and (tmp_path / "hf3" / "config.json").is_file(), again.stderr

@@ -20,12 +20,12 @@ from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-STEPS = 40
+STEPS = 24
 # fp16 starts from a loss scale that overflows for sure: the scaler must skip and back off, then train.
 VARIANTS = {
     "bf16": {"parallel.mixed_precision": "bf16"},
     "bf16-reduce-bf16": {"parallel.mixed_precision": "bf16", "parallel.reduce_dtype": "bf16"},
-    "fp16": {"parallel.mixed_precision": "fp16", "parallel.fp16_init_scale": 2.0**28},
+    "fp16": {"parallel.mixed_precision": "fp16", "parallel.fp16_init_scale": 2.0**22},
     "cpu-offload": {"parallel.cpu_offload": True, "parallel.activation_checkpointing": "full"},
     "qwen2": {"model.config": "{tmp}/qwen2"},
     "mistral": {"model.config": "{tmp}/mistral", "parallel.sharding": "SHARD_GRAD_OP"},
@@ -93,7 +93,7 @@ def test_mixed_precision_offload_and_other_families_train(tmp_path):
     # fp16: the first steps overflow and are skipped; each overflow halves the scale (no growth within 2000
     # clean steps), and most steps go through
     fp16 = [m for m in read_metrics(base.run_dir.parent / "fp16") if "loss" in m]
-    assert fp16[0]["skipped"] and fp16[0]["loss_scale"] == 2.0**28
+    assert fp16[0]["skipped"] and fp16[0]["loss_scale"] == 2.0**22
     for cur, nxt in zip(fp16, fp16[1:], strict=False):
         assert nxt["loss_scale"] == cur["loss_scale"] * (0.5 if cur["skipped"] else 1.0), (cur, nxt)
     assert sum(m["skipped"] for m in fp16) < STEPS // 2
