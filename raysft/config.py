@@ -45,6 +45,9 @@ class DataConfig:
     """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
     max_seq_len: int = 512
     """Longer conversations are truncated; batches are padded only to their longest sample."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Which assistant turns are supervised: every one, or only the conversation's last (its final answer). Labels
+    are each turn's text as the chat template renders it plus the end-of-turn token written right after it."""
     on_bad_record: Literal["error", "skip"] = "error"
     """"skip": drop bad records and count them per reason in the store's manifest instead of failing."""
     packing: bool = False

@@ -33,13 +33,15 @@ import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
 from raysft.config import BUILTIN, DataConfig
+from raysft.conversation import BadRecord, to_conversation
 from raysft.demo import DEMO_CONVERSATIONS
-from raysft.tokenizer import template_marks_generation, tokenizer_fingerprint
+from raysft.labels import IGNORE_INDEX, label_conversation, marks_generation, template_profile
+from raysft.tokenizer import tokenizer_fingerprint
 
-IGNORE_INDEX = -100
-STORE_FORMAT = 1
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-         "system": "system"}
+__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreInfo", "prepare_store", "read_manifest", "read_store",
+           "store_files"]
+
+STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.labels), tool calls
 # data.prepare=auto: inputs this large are worth Ray's start-up (a few seconds) when a cluster is there.
 RAY_MIN_BYTES = 64 << 20
 # Input bytes per Ray task at most; fewer when that keeps every CPU of the cluster busy (4 chunks per CPU).
@@ -51,12 +53,6 @@ ROW_GROUP_BYTES = 256 << 10
 
 class DataError(ValueError):
     """Input data that cannot be used; the message names the file and the record."""
-
-
-class BadRecord(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
 
 
 def resolve_data_path(name: str) -> Path:
@@ -147,85 +143,6 @@ def _json_array_spans(text: str) -> list[tuple[int, int]] | None:
     return spans if _JSON_SPACE.match(text, pos + 1).end() == len(text) else None
 
 
-def to_messages(record: Any) -> list[dict[str, str]]:
-    """Normalize either input format to OpenAI-style messages, rejecting what would train on garbage."""
-    if isinstance(record, BadRecord):
-        raise record
-    if not isinstance(record, dict):
-        raise BadRecord("bad_structure", f"expected an object, got {type(record).__name__}")
-    if "conversations" in record:
-        turns, role_key, content_key, field = record["conversations"], "from", "value", "conversations"
-    elif "messages" in record:
-        turns, role_key, content_key, field = record["messages"], "role", "content", "messages"
-    else:
-        raise BadRecord("bad_structure", "has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)")
-    if not isinstance(turns, list):
-        raise BadRecord("bad_structure", f"'{field}' must be a list, got {type(turns).__name__}")
-    if not turns:
-        raise BadRecord("empty_conversation", f"'{field}' is empty")
-    messages = []
-    for i, turn in enumerate(turns):
-        where = f"{field}[{i}]"
-        if not isinstance(turn, dict):
-            raise BadRecord("bad_structure", f"{where} must be an object, got {type(turn).__name__}")
-        role = turn.get(role_key)
-        if role not in ROLES:
-            raise BadRecord("unknown_role", f"{where}.{role_key} is {role!r}; known roles: {', '.join(ROLES)}")
-        content = turn.get(content_key)
-        if not isinstance(content, str):
-            raise BadRecord("non_string_content",
-                            f"{where}.{content_key} must be a string, got {type(content).__name__}")
-        messages.append({"role": ROLES[role], "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRecord("no_assistant_turn", f"'{field}' has no assistant turn to learn from")
-    return messages
-
-
-def tokenize_messages(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], max_seq_len: int
-) -> tuple[list[int], list[int]]:
-    """input_ids and labels (IGNORE_INDEX outside assistant turns), truncated to max_seq_len."""
-    try:
-        if template_marks_generation(tokenizer):
-            out = tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            input_ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        else:
-            input_ids, mask = _mask_from_prefixes(tokenizer, messages)
-    except BadRecord:
-        raise
-    except Exception as e:  # jinja's raise_exception and friends: the template rejects this conversation
-        raise BadRecord("template_error", f"the chat template failed: {e}") from e
-    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, mask, strict=True)]
-    return input_ids[:max_seq_len], labels[:max_seq_len]
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    if not messages and not add_generation_prompt:
-        return []
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
-    return list(out["input_ids"])
-
-
-def _mask_from_prefixes(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """For templates without {% generation %}: an assistant turn is what its message adds to the rendering
-    of the conversation before it (with the generation prompt). Needs renderings that extend each other."""
-    full = _render(tokenizer, messages, add_generation_prompt=False)
-    mask = [0] * len(full)
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True))
-        upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if full[: len(upto)] != upto:
-            raise BadRecord("template_error", "the chat template does not render conversations prefix-stably; "
-                            "add {% generation %} blocks around assistant text")
-        mask[start : len(upto)] = [1] * (len(upto) - start)
-    return full, mask
-
-
 @dataclass
 class StoreInfo:
     path: Path
@@ -256,6 +173,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_seq_len": cfg.max_seq_len,
         "on_bad_record": cfg.on_bad_record,
+        "train_on": cfg.train_on,
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = store_root / fingerprint
@@ -277,6 +195,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
             "sources": source_info,
             "tokenizer": {"name_or_path": str(tokenizer.name_or_path), "sha256": key["tokenizer"]},
             "chat_template": tokenizer.chat_template,
+            "labels": labelling(tokenizer, cfg),
             "counts": counts,
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -292,6 +211,17 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return StoreInfo(store, counts["samples"], reused=False, built_with="ray" if on_ray else "local")
+
+
+def labelling(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> dict:
+    """How the store's labels were found, for the manifest: a reader can tell what was supervised and why."""
+    if marks_generation(tokenizer):
+        return {"method": "generation_blocks", "train_on": cfg.train_on}
+    profile = template_profile(tokenizer)
+    return {"method": "rendered_spans", "train_on": cfg.train_on, "end_of_turn": sorted(profile.end_of_turn),
+            "tool_calls": profile.call_prefix is not None,
+            "rewritten_turns": "assistant turns whose text the template renders otherwise (earlier turns' reasoning "
+                               "dropped, say) are labelled as rendered and counted in counts.rewritten_turns"}
 
 
 def read_manifest(store: Path) -> dict:
@@ -316,35 +246,38 @@ class _Samples:
     """Tokenized records, in input order, and the counts the manifest keeps. The local path feeds it every record,
     a Ray task one chunk's: the same code on both sides is what makes the two stores agree."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, on_bad_record: str):
-        self.tokenizer, self.max_seq_len, self.on_bad_record = tokenizer, max_seq_len, on_bad_record
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig):
+        self.tokenizer, self.cfg = tokenizer, cfg
         self.columns: dict[str, list] = {"input_ids": [], "labels": [], "num_loss_tokens": [], "source": [],
                                          "record": []}
         self.skipped: Counter[str] = Counter()
-        self.records = self.truncated = 0
+        self.records = self.truncated = self.rewritten_turns = 0
 
     def add(self, source: str, index: int, record: Any) -> None:
         self.records += 1
         try:
-            input_ids, labels = tokenize_messages(self.tokenizer, to_messages(record), self.max_seq_len)
+            sample = label_conversation(self.tokenizer, to_conversation(record), self.cfg.max_seq_len,
+                                        self.cfg.train_on)
+            input_ids, labels = sample.input_ids, sample.labels
             # a label at position 0 is never predicted: count what the shifted loss actually sees
             num_loss_tokens = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
             if num_loss_tokens == 0:
                 raise BadRecord("no_assistant_tokens_after_truncation",
-                                f"no assistant token is left within data.max_seq_len={self.max_seq_len}")
+                                f"no assistant token is left within data.max_seq_len={self.cfg.max_seq_len}")
         except BadRecord as e:
-            if self.on_bad_record == "error":
+            if self.cfg.on_bad_record == "error":
                 raise DataError(f"{source}: record {index}: {e} "
                                 "(set data.on_bad_record=skip to skip such records)") from None
             self.skipped[e.reason] += 1
             return
-        self.truncated += len(input_ids) == self.max_seq_len
+        self.truncated += len(input_ids) == self.cfg.max_seq_len
+        self.rewritten_turns += sample.rewritten_turns
         for name, value in zip(self.columns, (input_ids, labels, num_loss_tokens, source, index), strict=True):
             self.columns[name].append(value)
 
     def counts(self) -> dict:
         return {"records": self.records, "samples": len(self.columns["record"]), "truncated": self.truncated,
-                "skipped": dict(self.skipped)}
+                "rewritten_turns": self.rewritten_turns, "skipped": dict(self.skipped)}
 
     def write(self, path: Path) -> None:
         c = self.columns
@@ -371,7 +304,7 @@ def _no_usable_records(sources: list[Path], skipped: dict) -> DataError:
 
 
 def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Path], out: Path) -> dict:
-    samples = _Samples(tokenizer, cfg.max_seq_len, cfg.on_bad_record)
+    samples = _Samples(tokenizer, cfg)
     for source in sources:
         for index, record in read_records(source):
             samples.add(str(source), index, record)
@@ -491,8 +424,8 @@ def _chunk_records(chunk: _Chunk) -> Iterator[tuple[int, Any]]:
     yield from enumerate(records, chunk.index)
 
 
-def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprint: str, max_seq_len: int,
-                     on_bad_record: str, out_dir: str) -> dict:
+def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprint: str, cfg: DataConfig,
+                     out_dir: str) -> dict:
     """A Ray Data task: tokenizes whole chunks, each into its own parquet file, and returns each chunk's counts, or
     its first bad record's message (on_bad_record=error). The tokenizer comes from the driver through the object
     store, so no node needs its files. Tasks, not actors: Ray's worker processes, transformers imported, stay warm
@@ -501,7 +434,7 @@ def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprin
         raise RuntimeError("the tokenizer does not tokenize on this node as it does on the driver")
     results = []
     for spec in batch["chunk"]:
-        chunk, samples = _Chunk(**json.loads(spec)), _Samples(tokenizer, max_seq_len, on_bad_record)
+        chunk, samples = _Chunk(**json.loads(spec)), _Samples(tokenizer, cfg)
         try:
             for index, record in _chunk_records(chunk):
                 samples.add(chunk.source, index, record)
@@ -535,7 +468,7 @@ def _tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, source
                                        override_num_blocks=len(chunks)).map_batches(
                 _tokenize_chunks, batch_size=1, num_cpus=1,
                 fn_kwargs={"tokenizer": tokenizer, "fingerprint": tokenizer_fingerprint(tokenizer),
-                           "max_seq_len": cfg.max_seq_len, "on_bad_record": cfg.on_bad_record, "out_dir": str(out)},
+                           "cfg": cfg, "out_dir": str(out)},
             ).take_all()
             results = sorted((json.loads(r["result"]) for r in rows), key=lambda r: r["number"])
             assert [r["number"] for r in results] == list(range(len(chunks))), "a chunk is missing"
@@ -547,7 +480,7 @@ def _tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, source
         raise DataError(errors[0])
     if unreadable:
         raise unreadable
-    counts = {"records": 0, "samples": 0, "truncated": 0}
+    counts = {"records": 0, "samples": 0, "truncated": 0, "rewritten_turns": 0}
     skipped: Counter[str] = Counter()
     for r in results:
         for name in counts:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import re
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -11,24 +10,24 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from raysft.config import BUILTIN, ModelConfig
 from raysft.demo import DEMO_TOKENIZER
 
-# FastChat's Vicuna v1.1 conversation format, with assistant text marked for the loss mask.
+# FastChat's vicuna_v1.1 conversation, text for text ("<s>SYSTEM USER: q ASSISTANT: a</s>USER: ..."), with the
+# assistant text and its </s> marked for the loss.
+VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+                 "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 VICUNA_TEMPLATE = (
-    "{%- if bos_token -%}{{ bos_token }}{%- endif -%}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}{{ messages[0]['content'] }}"
+    "{%- if bos_token -%}{{- bos_token -}}{%- endif -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] -}}"
     "{%- set loop_messages = messages[1:] -%}"
-    "{%- else -%}{{ \"A chat between a curious user and an artificial intelligence assistant. "
-    "The assistant gives helpful, detailed, and polite answers to the user's questions.\" }}"
-    "{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- else -%}{{- '" + VICUNA_SYSTEM.replace("'", "\\'") + "' -}}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{{- ' ' -}}"
     "{%- for m in loop_messages -%}"
-    "{%- if m['role'] == 'user' -%}{{ ' USER: ' + m['content'] }}"
-    "{%- elif m['role'] == 'assistant' -%}{{ ' ASSISTANT:' }}{% generation %}{{ ' ' + m['content'] + eos_token }}"
+    "{%- if m['role'] == 'user' -%}{{- 'USER: ' + m['content'] + ' ' -}}"
+    "{%- elif m['role'] == 'assistant' -%}{{- 'ASSISTANT: ' -}}{% generation %}{{- m['content'] + eos_token -}}"
     "{% endgeneration %}"
-    "{%- else -%}{{ raise_exception('the Vicuna template has no place for role ' + m['role']) }}{%- endif -%}"
+    "{%- else -%}{{- raise_exception('the Vicuna template has no place for role ' + m['role']) -}}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ ' ASSISTANT:' }}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
 )
-
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def resolve_tokenizer_dir(model: ModelConfig) -> Path:
@@ -51,17 +50,16 @@ def load_tokenizer(model: ModelConfig, chat_template: str = "auto") -> PreTraine
     tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_dir(model), local_files_only=True)
     if not tokenizer.is_fast:
         raise ValueError(f"{resolve_tokenizer_dir(model)}: a fast tokenizer is needed for assistant masks")
+    source = f"the chat template of {resolve_tokenizer_dir(model)}"
     if chat_template == "vicuna" or (chat_template == "auto" and not tokenizer.chat_template):
-        tokenizer.chat_template = VICUNA_TEMPLATE
+        tokenizer.chat_template, source = VICUNA_TEMPLATE, "the Vicuna v1.1 chat template"
     elif chat_template != "auto":
         tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+        source = f"the chat template {chat_template}"
+    tokenizer.chat_template_source = source  # error messages name it (raysft.labels.template_name)
     if tokenizer.pad_token is None:  # LLaMA tokenizers often have none; padding positions are masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def template_marks_generation(tokenizer: PreTrainedTokenizerBase) -> bool:
-    return bool(_GENERATION_TAG.search(tokenizer.chat_template or ""))
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

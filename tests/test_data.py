@@ -5,6 +5,7 @@ import pytest
 from conftest import SHARED_DATASETS
 
 from raysft.config import DataConfig, ModelConfig
+from raysft.conversation import to_conversation
 from raysft.data import (
     IGNORE_INDEX,
     DataError,
@@ -12,11 +13,9 @@ from raysft.data import (
     read_manifest,
     read_store,
     store_files,
-    to_messages,
-    tokenize_messages,
 )
-from raysft.demo import DEMO_CHAT_TEMPLATE
-from raysft.tokenizer import VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
+from raysft.labels import label_conversation
+from raysft.tokenizer import VICUNA_SYSTEM, VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
 
 CONV = [
     {"from": "system", "value": "Be brief."},
@@ -32,12 +31,17 @@ def tok():
     return load_tokenizer(ModelConfig())
 
 
+def tokenize_messages(tok, record, max_seq_len):
+    out = label_conversation(tok, to_conversation(record), max_seq_len)
+    return out.input_ids, out.labels
+
+
 def assistant_text(tok, labels):
     return tok.decode([t for t in labels if t != IGNORE_INDEX])
 
 
 def test_labels_cover_exactly_every_assistant_turn(tok):
-    ids, labels = tokenize_messages(tok, to_messages({"conversations": CONV}), 512)
+    ids, labels = tokenize_messages(tok, {"conversations": CONV}, 512)
     assert len(ids) == len(labels)
     assert assistant_text(tok, labels) == "2 plus 3 is 5.<|end|>The capital of Peru is Lima.<|end|>"
     # everything else, system and user text included, is masked
@@ -49,25 +53,13 @@ def test_sharegpt_and_openai_formats_tokenize_identically(tok):
     openai = {"messages": [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
                             "content": t["value"]} for t in CONV]}
     sharegpt = {"conversations": CONV}
-    assert tokenize_messages(tok, to_messages(openai), 512) == tokenize_messages(tok, to_messages(sharegpt), 512)
+    assert tokenize_messages(tok, openai, 512) == tokenize_messages(tok, sharegpt, 512)
 
 
 def test_truncation_keeps_the_start(tok):
-    ids, labels = tokenize_messages(tok, to_messages({"conversations": CONV}), 512)
-    short_ids, short_labels = tokenize_messages(tok, to_messages({"conversations": CONV}), 20)
+    ids, labels = tokenize_messages(tok, {"conversations": CONV}, 512)
+    short_ids, short_labels = tokenize_messages(tok, {"conversations": CONV}, 20)
     assert short_ids == ids[:20] and short_labels == labels[:20]
-
-
-def test_templates_without_generation_blocks_mask_by_prefix(tok):
-    """An assistant turn is what it adds to the rendering, so the template's separator after it ("\n") is
-    learned too; everything else matches the {% generation %} mask."""
-    messages = to_messages({"conversations": CONV})
-    ids, _ = tokenize_messages(tok, messages, 512)
-    tok_plain = load_tokenizer(ModelConfig())
-    tok_plain.chat_template = DEMO_CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    plain_ids, plain_labels = tokenize_messages(tok_plain, messages, 512)
-    assert plain_ids == ids
-    assert assistant_text(tok_plain, plain_labels) == "2 plus 3 is 5.<|end|>\nThe capital of Peru is Lima.<|end|>\n"
 
 
 def test_vicuna_template_is_used_when_the_tokenizer_has_none(tmp_path, tok):
@@ -78,10 +70,23 @@ def test_vicuna_template_is_used_when_the_tokenizer_has_none(tmp_path, tok):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     vicuna = load_tokenizer(ModelConfig(tokenizer=str(tmp_path)))
     assert vicuna.chat_template == VICUNA_TEMPLATE
-    ids, labels = tokenize_messages(vicuna, to_messages({"conversations": CONV}), 512)
-    text = vicuna.decode(ids)
-    assert text.startswith("Be brief. USER: What is 2 plus 3? ASSISTANT: 2 plus 3 is 5.<|end|> USER:")
-    assert assistant_text(vicuna, labels) == " 2 plus 3 is 5.<|end|> The capital of Peru is Lima.<|end|>"
+    ids, labels = tokenize_messages(vicuna, {"conversations": CONV}, 512)
+    assert vicuna.decode(ids) == fastchat_vicuna_v1_1(CONV, eos="<|end|>")
+    # the demo BPE reads "ASSISTANT: 2" as "ASSISTANT:", " 2": that answer's first token carries the space
+    assert assistant_text(vicuna, labels) == " 2 plus 3 is 5.<|end|>The capital of Peru is Lima.<|end|>"
+    # without a system message, FastChat's own
+    no_system = tokenize_messages(vicuna, {"conversations": CONV[1:]}, 512)[0]
+    assert vicuna.decode(no_system) == fastchat_vicuna_v1_1(CONV[1:], eos="<|end|>")
+
+
+def fastchat_vicuna_v1_1(turns, eos):
+    """FastChat's Conversation.get_prompt for vicuna_v1.1 (SeparatorStyle.ADD_COLON_TWO, sep " ", sep2 "</s>")."""
+    system = turns[0]["value"] if turns[0]["from"] == "system" else VICUNA_SYSTEM
+    seps = [" ", eos]
+    ret = system + seps[0]
+    for i, turn in enumerate(t for t in turns if t["from"] != "system"):
+        ret += {"human": "USER", "gpt": "ASSISTANT"}[turn["from"]] + ": " + turn["value"] + seps[i % 2]
+    return ret
 
 
 def write_jsonl(path, records):
@@ -297,7 +302,7 @@ def test_a_ray_task_that_cannot_see_the_input_says_what_to_do(tmp_path, tok):
     from raysft.data import _Chunk, _tokenize_chunks
 
     chunk = _Chunk(0, str(tmp_path / "elsewhere.jsonl"), "elsewhere.jsonl", jsonl=True, start=0, end=10, index=0)
-    out = _tokenize_chunks({"chunk": [json.dumps(asdict(chunk))]}, tok, tokenizer_fingerprint(tok), 512, "error",
+    out = _tokenize_chunks({"chunk": [json.dumps(asdict(chunk))]}, tok, tokenizer_fingerprint(tok), DataConfig(),
                            str(tmp_path))
     error = json.loads(out["result"][0])["error"]
     assert "elsewhere.jsonl: not found on " in error and "a shared mount), or set data.prepare=local" in error
