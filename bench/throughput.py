@@ -51,7 +51,7 @@ def run_torchrun(setup: Setup, cfg) -> list[dict]:
 
     config_file = setup.work / f"{cfg.run.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
-    torchrun([str(BENCH_DIR / "torchrun_train.py"), str(config_file), str(setup.store)], setup.args.workers)
+    torchrun([str(BENCH_DIR / "torchrun_train.py"), str(config_file)], setup.args.workers)
     return [m for m in read_metrics(cfg.run_dir) if "tokens" in m]
 
 

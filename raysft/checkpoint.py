@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from raysft.collectives import count_ranks, default_device
 from raysft.dataloader import DataCursor
 from raysft.storage import Location, location
 
@@ -63,6 +65,7 @@ STATE_FILE = "trainer_state.json"
 TRAINING_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", STATE_FILE, MANIFEST_FILE)
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 class CheckpointError(RuntimeError):
@@ -141,23 +144,27 @@ class PendingSave:
     makes sure every rank succeeded (a background failure is raised on all ranks, never lost) and then writes the
     manifest that makes the checkpoint complete."""
 
-    def __init__(self, out_dir: Path, step: int, futures: list[Future]):
-        self.out_dir, self.step, self.futures = out_dir, step, futures
+    def __init__(self, out_dir: Path, step: int, futures: list[Future], owner: int | None = None):
+        self.out_dir, self.step, self.futures, self.owner = out_dir, step, futures, owner
+        self.bytes_written = 0  # on rank 0 once finished: the size of the whole checkpoint, every rank's files
+        # writing in the background: flushing, listing and hashing the files happen there too, off training's path
+        writing = not all(f.done() for f in futures)
+        self.listing = _chain(futures, lambda: _durable_file_list(out_dir, owner)) if writing else None
 
     def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+        return all(f.done() for f in self.futures) and (self.listing is None or self.listing.done())
 
     def finish(self) -> bool:
         """Returns whether this rank wrote files (Ray uploads those)."""
         error = None
-        for future in self.futures:
+        for future in [*self.futures, *([self.listing] if self.listing else [])]:
             try:
                 future.result()
             except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
                 error = error or e
         self._raise_if_any_rank_failed(error)
         try:
-            mine = _durable_file_list(self.out_dir)
+            mine = self.listing.result() if self.listing else _durable_file_list(self.out_dir, self.owner)
         except OSError as e:
             mine, error = {}, e
         everyone: list[dict] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
@@ -165,26 +172,27 @@ class PendingSave:
         if everyone is not None and error is None:
             try:
                 _write_manifest(self.out_dir, self.step, everyone)
+                self.bytes_written = sum(e["size"] for part in everyone for e in part.values())
             except (OSError, CheckpointError) as e:
                 error = e
         self._raise_if_any_rank_failed(error)
         return bool(mine)
 
     def _raise_if_any_rank_failed(self, error: BaseException | None) -> None:
-        failed = torch.tensor([0 if error is None else 1], device=_device())
-        dist.all_reduce(failed)
-        if failed.item():
+        failed = count_ranks(error is not None)
+        if failed:
             raise CheckpointSaveError(
-                f"{self.out_dir}: writing the checkpoint of step {self.step} failed on {failed.item()} rank(s)"
+                f"{self.out_dir}: writing the checkpoint of step {self.step} failed on {failed} rank(s)"
                 f"{f': {error}' if error else ''}. The previous checkpoint is still the latest complete one; "
                 "launching again resumes from it once the cause (a full disk?) is fixed") from error
 
 
 def start_save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
-               asynchronous: bool = False) -> PendingSave:
-    """Collective: snapshot this rank's part of the training state and write it into out_dir (a local directory of
-    this rank's own). With asynchronous, the writing happens in the background and training may go on; either
-    way, call `finish()` on the result, on every rank, before the checkpoint is used."""
+               asynchronous: bool = False, shared: bool = False) -> PendingSave:
+    """Collective: snapshot this rank's part of the training state and write it into out_dir: a directory of this
+    rank's own, or with `shared` one that every rank writes into (each then lists only the files it wrote). With
+    asynchronous, the writing (and hashing) happens in the background and training may go on; either way, call
+    `finish()` on the result, on every rank, before the checkpoint is used."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "full":
         future = _save_full(out_dir, objs, asynchronous)
@@ -194,7 +202,7 @@ def start_save(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainStat
     futures = [future]
     if dist.get_rank() == 0:  # small files, written now
         futures.append(_run_now(lambda: _write_run_files(out_dir, mode, objs, state, rng)))
-    return PendingSave(out_dir, state.step, futures)
+    return PendingSave(out_dir, state.step, futures, owner=dist.get_rank() if shared else None)
 
 
 def _write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
@@ -451,6 +459,16 @@ def _checkpoint_group() -> dist.ProcessGroup:
     return dist.new_group(backend="gloo")
 
 
+def _chain(first: list[Future], then) -> Future:
+    """A future of `then()`, run in the background writer once every one of `first` succeeded (else its error)."""
+    def run():
+        for future in first:
+            future.result()
+        return then()
+
+    return _background().submit(run)
+
+
 def _run_now(write) -> Future:
     """Run a synchronous write, keeping its error in the future: `PendingSave.finish` raises it on every rank
     (raised here, it would leave the other ranks waiting in the next collective)."""
@@ -478,10 +496,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _durable_file_list(out_dir: Path) -> dict[str, dict]:
-    """This rank's files, flushed to disk, with their sizes and sha256."""
+def _owned_by(name: str, rank: int) -> bool:
+    """In a directory every rank writes into: rank r writes its DCP shard file __<r>_<n>.distcp, rank 0 the rest."""
+    match = _SHARD_FILE.fullmatch(name)
+    return int(match[1]) == rank if match else rank == 0
+
+
+def _durable_file_list(out_dir: Path, owner: int | None = None) -> dict[str, dict]:
+    """This rank's files (all in its own directory; those it wrote in a shared one), flushed to disk, with their
+    sizes and sha256."""
     mine = {str(f.relative_to(out_dir)): {"size": f.stat().st_size, "sha256": _sha256(f)}
-            for f in sorted(out_dir.rglob("*")) if f.is_file()}
+            for f in sorted(out_dir.rglob("*"))
+            if f.is_file() and (owner is None or _owned_by(str(f.relative_to(out_dir)), owner))}
     for name in mine:
         _fsync(out_dir / name)
     return mine
@@ -502,10 +528,6 @@ def _write_manifest(out_dir: Path, step: int, everyone: list[dict]) -> None:
     _fsync(out_dir)
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def _gather_rng_states() -> dict[str, torch.Tensor]:
     """Every rank's RNG states, gathered to all ranks (the collective needs device tensors under NCCL)."""
     local = {"cpu": torch.get_rng_state()}
@@ -513,8 +535,8 @@ def _gather_rng_states() -> dict[str, torch.Tensor]:
         local["cuda"] = torch.cuda.get_rng_state()
     out = {}
     for kind, state in local.items():
-        parts = [torch.empty_like(state, device=_device()) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, state.to(_device()))
+        parts = [torch.empty_like(state, device=default_device()) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, state.to(default_device()))
         out.update({f"{kind}.{rank}": part.cpu() for rank, part in enumerate(parts)})
     return out
 

@@ -1,9 +1,12 @@
 """The Ray edge: prepare data on the driver, start a TorchTrainer, and adapt Ray's context, checkpoints, reports
-and preemption notices to the Ray-free training loop in raysft.trainer."""
+and preemption notices to the Ray-free training loop in raysft.trainer.
+
+Checkpoints on a local or shared (NFS) run.storage_path are written once, by the workers, straight into the run
+directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpointer's
+DirectorySink); on remote storage (s3://, ...) each worker writes node-local scratch that Ray uploads."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -21,21 +24,23 @@ from ray.train import (
     ScalingConfig,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from raysft.checkpoint import CheckpointSaveError
-from raysft.config import ConfigError, TrainConfig
-from raysft.config import ScalingConfig as RaysftScaling
-from raysft.data import prepare_store
-from raysft.resume import (
+from raysft.checkpointer import (
+    DirectorySink,
+    ScratchSink,
+    Sink,
     checkpoint_name,
-    choose_resume_dir,
-    claim_run_dir,
     clear_scratch,
     existing_checkpoint_names,
+    scratch_root,
 )
+from raysft.config import ConfigError, TrainConfig
+from raysft.config import ScalingConfig as RaysftScaling
+from raysft.resume import prepare_launch
 from raysft.storage import location, use_filesystem
-from raysft.tokenizer import load_tokenizer
-from raysft.trainer import Trainer, WorkerContext, scratch_root
+from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
 START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
@@ -57,13 +62,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     the run's data, model and schedule must then be the same (ConfigError otherwise). `fresh` starts the run over
     and keeps the old run directory beside it, renamed.
     """
-    tokenizer = load_tokenizer(config.model, config.data.chat_template)
-    store = prepare_store(config.data, tokenizer, config.store_dir)
-    print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
-          flush=True)
-    moved = claim_run_dir(config, store.path.name, fresh)
-    if moved:
-        print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
+    store = prepare_launch(config, fresh)
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     s = config.scaling
@@ -146,8 +145,8 @@ def _train_fn(loop_config: dict) -> None:
     if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
         use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
     worker = ray_worker_context()
-    if ray.train.get_context().get_local_rank() == 0:
-        clear_scratch(scratch_root(cfg))  # before the first collective, so before any worker here saves
+    if ray.train.get_context().get_local_rank() == 0:  # before the first collective, so before any worker saves
+        clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
     try:
         _build_trainer(cfg, Path(loop_config["store"]), worker).train()
     except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
@@ -159,12 +158,8 @@ def _train_fn(loop_config: dict) -> None:
 def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext) -> Trainer:
     """Resumes from the run's newest complete checkpoint. That is Ray's latest (`ray.train.get_checkpoint()`)
     unless Ray's record of a newer one died with a worker, or its latest was cut short."""
-    report = functools.partial(ray_report, taken=existing_checkpoint_names(cfg.run_dir, worker.rank))
-    resume_dir, skipped = choose_resume_dir(cfg.run_dir, worker.rank)
-    trainer = Trainer(cfg, store, resume_dir, report, worker, ray_preemption_deadline)
-    for path, reason in skipped:
-        trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
-    return trainer
+    sink = ray_sink(cfg, worker.rank, existing_checkpoint_names(cfg.run_dir, worker.rank))
+    return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline)
 
 
 def ray_worker_context() -> WorkerContext:
@@ -179,6 +174,26 @@ def ray_preemption_deadline() -> float | None:
     if info is None:
         return None
     return info.deadline_ms / 1000 if info.deadline_ms else math.inf
+
+
+def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
+    """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes to checkpoint.keep);
+    on remote storage, Ray's upload from node-local scratch."""
+    if isinstance(cfg.run_dir, Path):
+        sink = DirectorySink(cfg.run_dir, rank, taken=taken, on_commit=register_with_ray, on_report=ray.train.report)
+        if rank == 0:
+            sink.clear_staging()  # parts of a launch killed in a save; taken before any rank stages
+        return sink
+    return ScratchSink(lambda metrics, ckpt, step: ray_report(metrics, ckpt, step, taken),
+                       scratch_root(cfg.run.name, cfg.run_dir))
+
+
+def register_with_ray(final: Path | None, metrics: dict) -> None:
+    """Every rank reports (a barrier); rank 0 names the checkpoint, already complete in the run directory."""
+    checkpoint = None
+    if final is not None:
+        checkpoint = Checkpoint(str(final), filesystem=ray.train.get_context().get_storage().storage_filesystem)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
 
 def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset()) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from raysft.config import ModelConfig
+from raysft.config import ConfigError, ModelConfig
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -30,22 +30,28 @@ PRESETS: dict[str, dict] = {
 
 
 def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """The architecture to train: the pretrained directory's, a preset's, or a config file's."""
+    """The architecture to train: the pretrained directory's, a preset's, or a config file's. A ConfigError naming
+    the key when it cannot be used: the same error would meet every worker on every restart."""
     if cfg.path:
-        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"config key 'model.path': {cfg.path!r} is not a Hugging Face model directory (it "
+                              "needs config.json and the weights; nothing is downloaded)")
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     elif cfg.config in PRESETS:
         config = LlamaConfig(**PRESETS[cfg.config], vocab_size=len(tokenizer), tie_word_embeddings=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                              bos_token_id=tokenizer.bos_token_id)
     else:
         path = Path(cfg.config).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"model.config: {cfg.config!r} is neither a preset ({', '.join(PRESETS)}) "
-                                    "nor a config.json / model directory")
+        if not (path.is_file() or (path / "config.json").is_file()):
+            raise ConfigError(f"config key 'model.config': {cfg.config!r} is neither a preset "
+                              f"({', '.join(PRESETS)}) nor a config.json / model directory")
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     if config.vocab_size < len(tokenizer):
-        raise ValueError(f"model vocab_size {config.vocab_size} < tokenizer size {len(tokenizer)}: "
-                         "token ids would index past the embedding")
+        raise ConfigError(f"config key 'model.tokenizer': the tokenizer has {len(tokenizer)} tokens but the model's "
+                          f"vocab_size is {config.vocab_size}: token ids would index past the embedding (a tokenizer "
+                          "of another model?)")
     return config
 
 

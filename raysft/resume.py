@@ -10,22 +10,46 @@ hyperparameters such as train.max_steps (to train longer) or train.lr, which app
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
-import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
 
-from raysft.checkpoint import incomplete_reason
 from raysft.config import ConfigError, TrainConfig
+from raysft.data import prepare_store
+from raysft.model import load_model_config
 from raysft.storage import Location, location, native
+from raysft.tokenizer import load_tokenizer
 
-CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
 RUN_FILE = "raysft_run.json"
 # Without these, a checkpoint's weights and data cursor would mean something else: another model, or another order
 # of the samples (the seed), so samples would be skipped or seen twice.
 RUN_DEFINING_KEYS = ("model.path", "model.config", "model.tokenizer", "train.seed")
 DATA_KEY = "data"  # the tokenized store's fingerprint: data files' contents, tokenizer, template, length
+
+
+def prepare_launch(config: TrainConfig, fresh: bool = False) -> Path:
+    """On the driver (rank 0 without Ray), before any worker starts: tokenize the data or reuse its store, check
+    what would fail the same way on every worker and every restart, and claim the run directory. Returns the
+    store."""
+    tokenizer = load_tokenizer(config.model, config.data.chat_template)
+    store = prepare_store(config.data, tokenizer, config.store_dir)
+    print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
+          flush=True)
+    preflight(config, tokenizer, store.num_samples)
+    moved = claim_run_dir(config, store.path.name, fresh)
+    if moved:
+        print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
+    return store.path
+
+
+def preflight(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_samples: int) -> None:
+    """The model's directory or config and its vocabulary against the tokenizer, and the data against the batch:
+    errors that would otherwise meet every worker and be retried scaling.max_failures times."""
+    load_model_config(config.model, tokenizer)
+    if num_samples < config.train.global_batch_size:
+        raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} samples per step, "
+                          f"but the data has {num_samples}: lower it or add data")
 
 
 def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = False) -> Path | Location | None:
@@ -66,53 +90,3 @@ def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
         section, name = key.split(".")
         identity[key] = values[section][name]
     return identity
-
-
-def choose_resume_dir(run_dir: Path | Location, rank: int) -> tuple[Path | Location | None, list[tuple[str, str]]]:
-    """Collective: the run's newest complete checkpoint, and the (path, reason) of each newer, incomplete one
-    skipped. Rank 0 checks each against its manifest (sizes, and checksums as `incomplete_reason` says); None if
-    there is none (a fresh start).
-
-    Complete is what counts, not registered: a worker that dies just after a save can take Ray's record of it
-    along (the report was not yet collected), but its directory, with every file its manifest lists, is a whole
-    checkpoint, and starting from an older one would lose the steps between.
-    """
-    result: list = [None, []]
-    if rank == 0:
-        for candidate in reversed(checkpoint_dirs(run_dir)):
-            reason = incomplete_reason(candidate)
-            if reason is None:
-                result[0] = candidate.name
-                break
-            result[1].append((str(candidate), reason))
-    dist.broadcast_object_list(result, src=0)
-    return (run_dir / result[0] if result[0] else None), result[1]
-
-
-def existing_checkpoint_names(run_dir: Path | Location, rank: int) -> frozenset[str]:
-    """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
-    names = [[p.name for p in checkpoint_dirs(run_dir)] if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    return frozenset(names[0])
-
-
-def checkpoint_dirs(run_dir: Path | Location) -> list[Path | Location]:
-    """The run's checkpoint directories, oldest first (their names sort by step)."""
-    return [native(d) for d in location(run_dir).dirs(CHECKPOINT_PREFIX)]
-
-
-def checkpoint_name(step: int, taken: frozenset[str] = frozenset()) -> str:
-    """checkpoint_<step, 8 digits>; a step saved again after resuming from an older checkpoint gets .1, .2, ...
-    (Ray would merge it into the old directory, and pruning one entry would delete both)."""
-    name = base = f"{CHECKPOINT_PREFIX}{step:08d}"
-    n = 0
-    while name in taken:
-        n += 1
-        name = f"{base}.{n}"
-    return name
-
-
-def clear_scratch(root: Path) -> None:
-    """Remove checkpoint parts that workers of an earlier launch left on this node when they were killed."""
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,10 @@
-"""The training loop that runs on every worker. It needs torch.distributed, not Ray: Ray is plugged in through
-`report` (progress and checkpoints) and `resume_dir` (the checkpoint to continue from)."""
+"""The training loop that runs on every worker. It needs torch.distributed, not Ray: Ray is plugged in through the
+checkpoint `sink` (progress and checkpoints, raysft.checkpointer) and `resume_dir` (the checkpoint to continue
+from)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -20,16 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import (
-    MANIFEST_FILE,
-    PendingSave,
-    TrainingObjects,
-    TrainState,
-    choose_mode,
-    load,
-    start_save,
-    tied_parameter_aliases,
-)
+from raysft.checkpoint import TrainingObjects, TrainState, tied_parameter_aliases
+from raysft.checkpointer import Checkpointer, ScratchSink, Sink, find_resume_dir, scratch_root
+from raysft.collectives import any_rank
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX
 from raysft.dataloader import (
@@ -55,7 +45,8 @@ from raysft.tokenizer import load_tokenizer
 
 class Reporter(Protocol):
     def __call__(self, metrics: dict, checkpoint_dir: Path | None, step: int) -> None:
-        """Called by every rank at the same steps; checkpoint_dir is set on ranks that wrote files."""
+        """Called by every rank at the same steps; checkpoint_dir is set on ranks that wrote files. A Trainer given
+        one writes checkpoints to node-local scratch and hands them to it (`ScratchSink`)."""
 
 
 @dataclass
@@ -67,18 +58,14 @@ class WorkerContext:
     """The worker's node (Ray numbers nodes by IP); HYBRID_SHARD derives its mesh from every worker's."""
 
 
-def checkpoint_bytes(ckpt_dir: Path) -> int:
-    """The size of a whole checkpoint, every rank's files, from the manifest rank 0 wrote into its part."""
-    return sum(f["size"] for f in json.loads((ckpt_dir / MANIFEST_FILE).read_text())["files"].values())
-
-
-def scratch_root(cfg: TrainConfig) -> Path:
-    """Where this node's workers write checkpoint parts before Ray copies them to storage; a worker killed in a
-    save leaves its part here, so a relaunch clears it (`clear_scratch`)."""
-    run_id = hashlib.sha256(str(cfg.run_dir).encode()).hexdigest()[:8]
-    root = Path(tempfile.gettempdir()) / f"raysft-{cfg.run.name}-{run_id}"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink,
+                   preemption_deadline: Callable[[], float | None] = lambda: None) -> Trainer:
+    """Collective: a Trainer that continues from the run's newest complete checkpoint (a fresh one if none)."""
+    resume_dir, skipped = find_resume_dir(cfg.run_dir, ctx.rank)
+    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline)
+    for path, reason in skipped:
+        trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
+    return trainer
 
 
 class Trainer:
@@ -89,9 +76,10 @@ class Trainer:
     when the deadline is nearer than two steps and a save, so that only the steps after that are redone.
     """
 
-    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, report: Reporter, ctx: WorkerContext,
-                 preemption_deadline: Callable[[], float | None] = lambda: None):
-        self.cfg, self.ctx, self.report = cfg, ctx, report
+    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink | Reporter,
+                 ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None):
+        self.cfg, self.ctx = cfg, ctx
+        self.sink = sink if hasattr(sink, "stage") else ScratchSink(sink, scratch_root(cfg.run.name, cfg.run_dir))
         self.preemption_deadline = preemption_deadline
         self.deadline: float | None = None  # of an announced preemption
         self.last_chance_taken = False
@@ -117,21 +105,19 @@ class Trainer:
         self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
                                     self.tokenizer, self.aliases)
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
-        self.checkpoint_mode = choose_mode(cfg.checkpoint.mode, self.model)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank)
         if resume_dir is not None:
-            self.state = load(resume_dir, self.objs)
+            self.state = self.checkpointer.load(resume_dir)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)
         else:
             load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
-            self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpoint_mode)
-
-        self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
+            self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
         self.dataset = TokenizedDataset(store)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
 
     def train(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         self.model.train()
         metrics: dict = {}
         stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
@@ -140,17 +126,16 @@ class Trainer:
             metrics = self.train_step()
             self.log.step(self.state.step, metrics)
             preempted = self._preemption_save_due(time.perf_counter() - step_start)
-            if self.state.step % cfg.checkpoint.every_n_steps == 0 or self.state.step == stop or preempted:
+            if self.checkpointer.due(self.state.step, stop) or preempted:
                 save_start = time.perf_counter()
-                self.save_checkpoint(metrics)
+                self.checkpointer.save(self.state, metrics)
                 if preempted:
-                    self.finish_checkpoint()  # durable and reported before the node goes
+                    self.checkpointer.finish(self.state.step)  # durable and reported before the node goes
                     self.save_s = time.perf_counter() - save_start
             elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
-                self.report({**metrics, "step": self.state.step}, None, self.state.step)
-            if self.pending is not None and self._all_ranks(self.pending[0].done()):
-                self.finish_checkpoint()
-        self.finish_checkpoint()
+                self.sink.report({**metrics, "step": self.state.step}, self.state.step)
+            self.checkpointer.poll(self.state.step)
+        self.checkpointer.finish(self.state.step)
         if self.state.step < t.max_steps:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
@@ -208,40 +193,6 @@ class Trainer:
             metrics.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)
         return metrics
 
-    def save_checkpoint(self, metrics: dict) -> None:
-        """Collective: each rank writes its part to a scratch dir (in the background with checkpoint.async);
-        once every part is durable, `finish_checkpoint` writes the manifest and reports the checkpoint to Ray,
-        which copies the parts into one directory in storage."""
-        self.finish_checkpoint()  # one save at a time: the previous one must be complete
-        start = time.perf_counter()
-        out = Path(tempfile.mkdtemp(prefix="ckpt-", dir=scratch_root(self.cfg)))
-        try:
-            pending = start_save(out, self.checkpoint_mode, self.objs, self.state, self.cfg.checkpoint.async_save)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)
-            raise
-        self.pending = (pending, {**metrics, "step": self.state.step, "save_blocking_s": time.perf_counter() - start,
-                                  "save_started": start})
-        if not self.cfg.checkpoint.async_save:
-            self.finish_checkpoint()
-
-    def finish_checkpoint(self) -> None:
-        """Collective: wait for the pending save (raising if it failed on any rank), then report it to Ray."""
-        if self.pending is None:
-            return
-        (pending, metrics), self.pending = self.pending, None
-        try:
-            wrote = pending.finish()
-            save_s = time.perf_counter() - metrics.pop("save_started")
-            size_gb = checkpoint_bytes(pending.out_dir) / 1e9 if self.ctx.rank == 0 else 0.0  # rank 0 has the manifest
-            metrics.update(save_s=save_s, save_gb=size_gb, save_gb_per_s=size_gb / save_s)
-            self.report(metrics, pending.out_dir if wrote else None, pending.step)
-        finally:
-            shutil.rmtree(pending.out_dir, ignore_errors=True)
-        self.log.event("checkpoint", step=pending.step, mode=self.checkpoint_mode,
-                       blocking_s=round(metrics["save_blocking_s"], 3), save_s=round(save_s, 3),
-                       gb=round(size_gb, 4), gb_per_s=round(size_gb / save_s, 3), reported_at_step=self.state.step)
-
     def _preemption_save_due(self, step_s: float) -> bool:
         """Collective: whether to checkpoint now because Ray has just announced that a node of this run will be
         drained, or because that deadline is nearer than two more steps and a save. Training goes on after each;
@@ -253,7 +204,7 @@ class Trainer:
             return self.deadline is not None
         if self.last_chance_taken or math.isinf(self.deadline):
             return False
-        if not self._any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
+        if not any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
             return False
         self.last_chance_taken = True
         self.log.event("preemption_last_checkpoint", step=self.state.step, seconds_left=self._seconds_left())
@@ -261,11 +212,3 @@ class Trainer:
 
     def _seconds_left(self) -> float | None:
         return None if math.isinf(self.deadline) else round(self.deadline - time.time(), 1)
-
-    def _any_rank(self, flag: bool) -> bool:
-        return not self._all_ranks(not flag)
-
-    def _all_ranks(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], device=self.ctx.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return bool(value.item())

@@ -1,4 +1,5 @@
 import contextlib
+import datetime
 import os
 import shutil
 import subprocess
@@ -93,3 +94,66 @@ def http_status(url: str, token: str | None = None) -> int:
             return response.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+class GlooPool:
+    """Worker processes joined in one gloo process group, started once and reused: each `run(fn, ...)` calls fn
+    on every rank, as a launch of raysft.run would, without a process start, imports or Ray per launch. fn must be
+    importable (a module-level function); it gets the rank's WorkerContext first."""
+
+    def __init__(self, world_size: int, tmp_dir: Path):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        init = f"file://{tmp_dir / 'pg'}"
+        self.procs = [ctx.Process(target=_gloo_worker, args=(r, world_size, init, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 600):
+        for q in self.tasks:
+            q.put((fn, args))
+        out = dict(self.results.get(timeout=timeout) for _ in self.procs)
+        errors = [v for v in out.values() if isinstance(v, BaseException)]
+        if errors:
+            raise errors[0]
+        return [out[r] for r in range(len(self.procs))]
+
+    def close(self):
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def _gloo_worker(rank: int, world_size: int, init: str, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    # a rank that fails leaves the others in a collective: they give up after this instead of hanging the suite
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    from raysft.trainer import WorkerContext
+
+    ctx = WorkerContext(rank, world_size, torch.device("cpu"))
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        try:
+            results.put((rank, fn(ctx, *args)))
+        except BaseException as e:  # noqa: BLE001 - the test raises it
+            results.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_pool(tmp_path_factory):
+    pool = GlooPool(2, tmp_path_factory.mktemp("gloo"))
+    yield pool
+    pool.close()

@@ -78,7 +78,7 @@ def _patch_checkpoint(module) -> None:
 
     start_save, save_file = module.start_save, module.save_file
 
-    def faulty_start_save(out_dir, mode, objs, state, asynchronous=False):
+    def faulty_start_save(out_dir, mode, objs, state, asynchronous=False, shared=False):
         rank0 = dist.get_rank() == 0
         if rank0 and _peek("disk_full", state.step):
             _take("disk_full")
@@ -90,10 +90,10 @@ def _patch_checkpoint(module) -> None:
 
             module.save_file = full_disk
             try:
-                return start_save(out_dir, mode, objs, state, asynchronous)
+                return start_save(out_dir, mode, objs, state, asynchronous, shared)
             finally:
                 module.save_file = save_file
-        pending = start_save(out_dir, mode, objs, state, asynchronous)
+        pending = start_save(out_dir, mode, objs, state, asynchronous, shared)
         if rank0 and _peek("pause_in_save", state.step):
             _take("pause_in_save")
             paused = Path(os.environ[FAULTS_ENV]) / "paused.json"

@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 
 import raysft
 from raysft.checkpoint import CheckpointSaveError
+from raysft.checkpointer import checkpoint_dirs
 from raysft.config import ConfigError
 from raysft.launch import CannotPlaceWorkers
 from raysft.metrics import read_metrics
-from raysft.resume import checkpoint_dirs
 
 STEPS, EVERY = 24, 6
 AUTOSCALING_COORDINATOR_TICK_S = 20  # Ray Data's _AutoscalingCoordinatorActor.TICK_INTERVAL_S
@@ -242,13 +242,15 @@ def test_a_full_disk_during_a_save_ends_the_run_without_retrying_and_keeps_the_l
     nodes()
     arm(cluster.faults, "disk_full", step=2 * EVERY)
     cfg = config(tmp_path, "full-disk", **{"checkpoint.keep": 5})
-    with pytest.raises(CheckpointSaveError, match=r"raysft-full-disk-.*checkpoint of step 12 failed on 1 rank.*"
-                                                  r"No space left on device: .*model.safetensors"):
+    with pytest.raises(CheckpointSaveError, match=r"full-disk/.staging/checkpoint_00000012: writing the checkpoint of "
+                                                  r"step 12 failed on 1 rank.*No space left on device: "
+                                                  r".*model.safetensors"):
         raysft.train(cfg)
     records = read_metrics(cfg.run_dir)
     assert [m["event"] for m in records if m.get("event") in ("start", "resume")] == ["start"]  # not retried
     assert last_step(cfg.run_dir) == 2 * EVERY
     assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000006"]
+    assert not (cfg.run_dir / ".staging").exists()  # nothing of the failed save is left
 
     result = raysft.train(cfg)  # space freed: the relaunch resumes from the last good checkpoint
     assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [EVERY]

@@ -3,8 +3,9 @@
 import pytest
 from conftest import tiny_config
 
+from raysft.checkpointer import checkpoint_name
 from raysft.config import ConfigError
-from raysft.resume import RUN_FILE, checkpoint_name, claim_run_dir
+from raysft.resume import RUN_FILE, claim_run_dir
 
 
 def test_a_run_records_what_defines_it_and_accepts_other_changes(tmp_path):
@@ -44,3 +45,26 @@ def test_fresh_keeps_the_old_run_beside_the_new_one(tmp_path):
 def test_a_step_saved_again_gets_its_own_directory():
     assert checkpoint_name(6) == "checkpoint_00000006"
     assert checkpoint_name(6, frozenset({"checkpoint_00000006", "checkpoint_00000006.1"})) == "checkpoint_00000006.2"
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"model.path": "/nonexistent/llama"}, r"'model.path': '/nonexistent/llama' is not a Hugging Face model dir"),
+    ({"model.config": "no-such-preset"}, r"'model.config': 'no-such-preset' is neither a preset"),
+    ({"model.config": "SMALL_VOCAB"}, r"'model.tokenizer': the tokenizer has \d+ tokens but the model's vocab_size"),
+    ({"train.global_batch_size": 4096, "train.micro_batch_size": 2048},
+     r"'train.global_batch_size': 4096 samples per step, but the data has 1200"),
+])
+def test_errors_every_worker_would_meet_are_config_errors_before_any_worker_starts(tmp_path, sets, message):
+    """Raised on the driver (rank 0 without Ray) with the key named, never retried in workers."""
+    from transformers import LlamaConfig
+
+    from raysft.resume import prepare_launch
+
+    if sets.get("model.config") == "SMALL_VOCAB":
+        LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=1).save_pretrained(tmp_path / "small")
+        sets = {"model.config": str(tmp_path / "small")}
+    cfg = tiny_config(tmp_path, **sets)
+    with pytest.raises(ConfigError, match=message):
+        prepare_launch(cfg)
+    assert not cfg.run_dir.exists()  # nothing claimed

@@ -22,11 +22,12 @@ import raysft
 import raysft.checkpoint as ckpt_module
 from raysft import storage
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError, StorageReader, incomplete_reason
+from raysft.checkpointer import checkpoint_dirs
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import FATAL_ERROR_FILE, ray_worker_context
 from raysft.metrics import MetricsLogger, read_metrics
-from raysft.resume import RUN_FILE, checkpoint_dirs, claim_run_dir
+from raysft.resume import RUN_FILE, claim_run_dir
 from raysft.storage import Location, location
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer

@@ -1,0 +1,30 @@
+"""The one-value collectives the training loop and the checkpointer agree through."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def default_device() -> torch.device:
+    """The device collectives run on: the current GPU under NCCL, the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_ranks(flag: bool) -> bool:
+    """Collective: whether `flag` holds on every rank."""
+    value = torch.tensor([int(flag)], device=default_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether `flag` holds on some rank."""
+    return not all_ranks(not flag)
+
+
+def count_ranks(flag: bool) -> int:
+    """Collective: on how many ranks `flag` holds."""
+    value = torch.tensor([int(flag)], device=default_device())
+    dist.all_reduce(value)
+    return int(value.item())

@@ -1,0 +1,93 @@
+"""raysft without Ray: the worker run under torchrun, with the same checkpoints and resume as under Ray.
+
+    torchrun --nproc-per-node N [--nnodes M ...] -m raysft.run CONFIG.yaml [--set section.key=value ...] [--fresh]
+
+Rank 0 tokenizes the data (or reuses the store) and claims the run directory; then every rank trains, writing
+checkpoints straight into `<run.storage_path>/<run.name>` (raysft.checkpointer's DirectorySink, pruned to
+checkpoint.keep), and a relaunch continues from the run's newest complete checkpoint. run.storage_path must be a
+local or shared (NFS) path that every node mounts. Exit codes as `raysft train`: 2 for a configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from raysft.checkpointer import DirectorySink, existing_checkpoint_names
+from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.resume import prepare_launch
+from raysft.trainer import WorkerContext, resume_trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m raysft.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
+    args = parser.parse_args(argv)
+    ctx = init_distributed()
+    try:
+        launch(ctx, load_config(args.config, args.overrides), args.fresh)
+    except ConfigError as e:
+        if ctx.rank == 0:
+            print(f"raysft: config error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def init_distributed() -> WorkerContext:
+    """The process group torchrun describes in the environment: NCCL with one GPU per process, else gloo."""
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    return WorkerContext(dist.get_rank(), dist.get_world_size(), device, int(os.environ.get("GROUP_RANK", 0)))
+
+
+def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
+    """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
+    if not isinstance(config.run_dir, Path):
+        raise ConfigError(f"config key 'run.storage_path': raysft.run writes checkpoints straight into the run "
+                          f"directory, so it needs a local or shared (NFS) path, got {config.run.storage_path!r}")
+    store = _prepare_on_rank0(config, ctx.rank, fresh)
+    return train(config, store, ctx)
+
+
+def _prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool) -> Path:
+    """Collective: rank 0 prepares the store and claims the run; every rank gets the store, or rank 0's error."""
+    outcome: list = [None]
+    if rank == 0:
+        try:
+            outcome[0] = ("ok", str(prepare_launch(config, fresh)))
+        except ConfigError as e:
+            outcome[0] = ("config", str(e))
+        except Exception as e:  # noqa: BLE001 - raised on every rank below, not only on rank 0
+            outcome[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "error":
+        raise RuntimeError(f"rank 0 could not prepare the run: {value}")
+    return Path(value)
+
+
+def train(config: TrainConfig, store: Path, ctx: WorkerContext) -> dict:
+    """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint."""
+    sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep,
+                         taken=existing_checkpoint_names(config.run_dir, ctx.rank))
+    if ctx.rank == 0:
+        sink.clear_staging()  # parts a killed launch left; no rank stages before the collectives that follow
+    return resume_trainer(config, store, ctx, sink).train()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

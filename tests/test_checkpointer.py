@@ -1,0 +1,142 @@
+"""The Checkpointer and its sinks under plain torch.distributed (a reused pair of gloo processes, no Ray): async
+saves, failed saves, incomplete checkpoints on resume, streaming export."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import tiny_config
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM
+
+import raysft
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, auto_mode, incomplete_reason
+from raysft.checkpointer import STAGING_DIR, DirectorySink, checkpoint_dirs
+from raysft.data import prepare_store
+from raysft.hf_export import INDEX_FILE
+from raysft.metrics import read_metrics
+from raysft.run import launch
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
+
+
+def config(tmp_path, name, **sets):
+    return tiny_config(tmp_path, **{"train.max_steps": 12, "checkpoint.every_n_steps": 3, "run.name": name,
+                                    "train.log_every_n_steps": 100, **sets})
+
+
+def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path, gloo_pool):
+    first = config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6, "checkpoint.keep": 9})
+    gloo_pool.run(launch, first)
+    torn = first.run_dir / "checkpoint_00000006"
+    shard = torn / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-7])  # a shard cut short
+    with pytest.raises(CheckpointError, match="__1_0.distcp has .* bytes, the manifest says"):
+        raysft.export(torn, tmp_path / "never")
+
+    gloo_pool.run(launch, config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
+                                                      "checkpoint.keep": 9}))
+    records = read_metrics(first.run_dir)
+    skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
+    assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(torn) and "__1_0.distcp" in skipped[0]["reason"]
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [3]
+    # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one
+    assert [p.name for p in checkpoint_dirs(first.run_dir)] == \
+        ["checkpoint_00000003", "checkpoint_00000006", "checkpoint_00000006.1", "checkpoint_00000007"]
+
+    # a flipped byte keeps the size; the checksum catches it, for export and (through the same check) for resume
+    rng = first.run_dir / "checkpoint_00000007" / "rng.safetensors"
+    data = bytearray(rng.read_bytes())
+    data[-1] ^= 0xFF
+    rng.write_bytes(bytes(data))
+    assert incomplete_reason(rng.parent) == "rng.safetensors does not match its sha256 in the manifest"
+    with pytest.raises(CheckpointError, match="rng.safetensors does not match its sha256"):
+        raysft.export(rng.parent, tmp_path / "never")
+
+
+def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, gloo_pool):
+    """A sharded checkpoint exported in shards of at most 1 MiB: safetensors shards + index, same weights."""
+    cfg = config(tmp_path, "shards", **{"checkpoint.mode": "sharded", "train.max_steps": 3})
+    gloo_pool.run(launch, cfg)
+    out = raysft.export(cfg.run_dir / "checkpoint_00000003", tmp_path / "hf", max_shard_bytes=2**20)
+    index = json.loads((out / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((out / s).stat().st_size <= 2**20 + 2**16 for s in shards)
+    assert not any(p.suffix == ".distcp" or p.name in ("trainer_state.json", MANIFEST_FILE) for p in out.iterdir())
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    merged = {}
+    for s in shards:
+        merged.update(load_file(out / s))
+    assert set(merged) == set(model.state_dict())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in merged.items())
+
+
+def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
+    """Async saves hold the state of the step they were asked for while training goes on, and a write that fails
+    in the background fails the save on every rank and leaves nothing of it behind."""
+    import raysft.checkpoint as ckpt_module
+
+    trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+    checkpointer = trainer.checkpointer
+    trainer.model.train()
+    for mode in ("sharded", "full"):
+        checkpointer.mode = mode
+        metrics = trainer.train_step()
+        expected = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True,
+                                                                                cpu_offload=True))
+        if ctx.rank == 0:
+            save_file({k: v.contiguous() for k, v in expected.items()}, out / f"expected-{trainer.state.step}.st")
+        checkpointer.save(trainer.state, metrics)
+        assert checkpointer.pending is not None  # still being written
+        trainer.train_step()
+        trainer.train_step()  # the weights move on
+        checkpointer.finish()
+        dist.barrier()
+
+    original = ckpt_module.save_file
+
+    def failing_save_file(tensors, path, metadata=None):
+        if Path(path).name == "model.safetensors":
+            raise OSError("No space left on device (injected)")
+        return original(tensors, path, metadata=metadata)
+
+    if ctx.rank == 0:
+        ckpt_module.save_file = failing_save_file
+    try:
+        checkpointer.save(trainer.state, trainer.train_step())
+        trainer.train_step()
+        checkpointer.finish()
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        ckpt_module.save_file = original
+    return "no error"
+
+
+def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gloo_pool):
+    cfg = config(tmp_path, "async", **{"checkpoint.async": True})
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    cfg.run_dir.mkdir(parents=True)
+    outcomes = gloo_pool.run(_async_saves, cfg, store, tmp_path)
+    for mode, step in (("sharded", 1), ("full", 4)):
+        expected = load_file(tmp_path / f"expected-{step}.st")
+        raysft.export(cfg.run_dir / f"checkpoint_{step:08d}", tmp_path / f"hf-{mode}")
+        weights = load_file(tmp_path / f"hf-{mode}" / "model.safetensors")
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[k], expected[k]) for k in weights), mode
+    for message in outcomes:
+        assert "writing the checkpoint of step 7 failed on 1 rank(s)" in message, message
+    assert "No space left on device (injected)" in outcomes[0]
+    # the failed save is gone whole; the previous checkpoint is still the latest and complete
+    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000001", "checkpoint_00000004"]
+    assert not (cfg.run_dir / STAGING_DIR).exists() or not any((cfg.run_dir / STAGING_DIR).iterdir())
+    assert incomplete_reason(cfg.run_dir / "checkpoint_00000004") is None
+
+
+@pytest.mark.parametrize("state_gb, available_gb, mode", [(1, 64, "full"), (16, 64, "full"), (17, 64, "sharded"),
+                                                         (14 * 12, 512, "sharded")])
+def test_auto_mode_gathers_only_what_rank_0_can_hold_four_times(state_gb, available_gb, mode):
+    assert auto_mode(state_gb * 2**30, available_gb * 2**30) == mode

@@ -1,0 +1,96 @@
+"""raysft.run: the worker run without Ray (torchrun, or here a reused pair of gloo processes), with the same
+checkpoints and resume as under Ray, written once, straight into the run directory."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, tiny_config
+from safetensors.torch import load_file
+
+import raysft
+from raysft.checkpoint import MANIFEST_FILE
+from raysft.checkpointer import STAGING_DIR
+from raysft.metrics import read_metrics
+from raysft.run import launch
+
+STEPS = 12
+
+
+def config(tmp_path, name, **sets):
+    return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "run.name": name,
+                                    "train.log_every_n_steps": 100, **sets})
+
+
+def step_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
+
+
+def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    raysft.export(sorted(run_dir.glob("checkpoint_*"))[-1], out)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(gloo_pool, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = config(tmp, "reference", **{"checkpoint.mode": "full"})
+    gloo_pool.run(launch, cfg)
+    return step_losses(cfg.run_dir), final_weights(cfg.run_dir, tmp / "hf")
+
+
+def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,
+                                                                                          uninterrupted):
+    """Three launches: sharded with async saves to step 4, full to step 8, sharded to the end; each resumes from
+    the other mode's checkpoint, and the run is the uninterrupted one, float for float."""
+    ref_losses, ref_weights = uninterrupted
+    legs = [{"checkpoint.mode": "sharded", "checkpoint.async": True, "train.stop_at_step": 4},
+            {"checkpoint.mode": "full", "train.stop_at_step": 8},
+            {"checkpoint.mode": "sharded"}]
+    for sets in legs:
+        cfg = config(tmp_path, "resumed", **{"checkpoint.keep": 9, **sets})
+        gloo_pool.run(launch, cfg)
+        stop = sets.get("train.stop_at_step", STEPS)
+        ckpt = cfg.run_dir / f"checkpoint_{stop:08d}"
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        assert state["mode"] == sets["checkpoint.mode"] and state["scheduler"]["last_epoch"] == stop
+        files = json.loads((ckpt / MANIFEST_FILE).read_text())["files"]
+        if sets["checkpoint.mode"] == "sharded":  # both ranks wrote into the one directory, each its own shard
+            assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.json"} <= set(files)
+        # written once: the directory holds exactly the manifest's files and nothing is left aside
+        assert {p.name for p in ckpt.iterdir()} == {*files, MANIFEST_FILE}
+        assert not (cfg.run_dir / STAGING_DIR).exists()
+    records = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [4, 8]
+    saved = [m for m in records if m.get("event") == "checkpoint"]
+    for m in saved:  # the size reported is the size on disk (the event rounds to 0.1 MB)
+        assert m["gb"] * 1e9 == pytest.approx(dir_bytes(cfg.run_dir / f"checkpoint_{m['step']:08d}"), abs=1e5)
+    assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*")) == \
+        [f"checkpoint_{s:08d}" for s in (3, 4, 6, 8, 9, 12)]
+    assert step_losses(cfg.run_dir) == ref_losses
+    weights = final_weights(cfg.run_dir, tmp_path / "hf")
+    assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name != MANIFEST_FILE)
+
+
+def test_without_ray_checkpoint_keep_prunes_the_oldest(tmp_path, gloo_pool):
+    cfg = config(tmp_path, "pruned", **{"checkpoint.keep": 2, "train.max_steps": 7, "checkpoint.every_n_steps": 2})
+    gloo_pool.run(launch, cfg)
+    assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*")) == ["checkpoint_00000006", "checkpoint_00000007"]
+
+
+def test_torchrun_runs_the_documented_command(tmp_path):
+    """`torchrun -m raysft.run CONFIG --set ...` trains, checkpoints and exits 0."""
+    common = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "raysft.run"]
+    sets = ["--set", "data.max_seq_len=64", "--set", "train.max_steps=2", "--set", "train.warmup_steps=1",
+            "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "run.name=cli"]
+    env = {"PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false", "HOME": str(tmp_path)}
+    done = subprocess.run([*common, *sets], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "cli" / "checkpoint_00000002" / MANIFEST_FILE).is_file()
