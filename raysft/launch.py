@@ -70,7 +70,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
     trainer = TorchTrainer(
         train_loop_per_worker=_train_fn,
-        train_loop_config={"config": config.to_dict(), "store": str(store.path), "filesystem": remote,
+        train_loop_config={"config": config.to_dict(), "store": str(store), "filesystem": remote,
                            "filesystem_path": root.path},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,

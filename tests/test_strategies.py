@@ -1,4 +1,5 @@
-"""Every sharding strategy, with and without activation checkpointing, computes what one process computes."""
+"""Every sharding strategy, with and without activation checkpointing, computes what one process computes (4 gloo
+processes, no Ray: HYBRID_SHARD as 2 replicas of 2)."""
 
 from pathlib import Path
 
@@ -6,39 +7,37 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import run_workers, tiny_config
+from conftest import GlooPool, tiny_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from raysft.checkpointer import DirectorySink
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate
-from raysft.launch import ray_worker_context
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model, load_model_config
 from raysft.optim import build_lr_scheduler, build_optimizer
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
 STEPS = 3
 VARIANTS = [("FULL_SHARD", "none"), ("FULL_SHARD", "full"), ("SHARD_GRAD_OP", "none"), ("SHARD_GRAD_OP", "2"),
             ("HYBRID_SHARD", "none"), ("HYBRID_SHARD", "full"), ("NO_SHARD", "none"), ("NO_SHARD", "full")]
 
 
-def _train_each_variant(loop: dict) -> None:
-    ctx = ray_worker_context()
+def _train_each_variant(ctx, config: dict, store: Path, out: Path) -> None:
     for sharding, ac in VARIANTS:
-        cfg = TrainConfig.from_dict(loop["config"])
+        cfg = TrainConfig.from_dict(config)
         cfg.parallel.sharding, cfg.parallel.activation_checkpointing = sharding, ac
         cfg.parallel.hsdp_shard_size = 2 if sharding == "HYBRID_SHARD" else 0
         cfg.run.name = f"{sharding}-{ac}"
-        trainer = Trainer(cfg, Path(loop["store"]), None, lambda *a: None, ctx)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
         trainer.train()
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if ctx.rank == 0:
-            out = Path(loop["out"]) / f"{cfg.run.name}.safetensors"
-            save_file({k: v.contiguous() for k, v in weights.items()}, out)
+            save_file({k: v.contiguous() for k, v in weights.items()}, out / f"{cfg.run.name}.safetensors")
         dist.barrier()
 
 
@@ -66,12 +65,18 @@ def reference(cfg: TrainConfig, store: Path) -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
-def test_all_strategies_match_a_single_process_reference(tmp_path):
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    pool = GlooPool(4, tmp_path_factory.mktemp("gloo4"))
+    yield pool
+    pool.close()
+
+
+def test_all_strategies_match_a_single_process_reference(tmp_path, four_processes):
     cfg = tiny_config(tmp_path, **{"train.max_steps": STEPS, "train.global_batch_size": 16,
                                    "train.micro_batch_size": 2, "scaling.num_workers": 4})
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
-    run_workers(_train_each_variant, {"config": cfg.to_dict(), "store": str(store), "out": str(tmp_path)}, tmp_path,
-                num_workers=4)
+    four_processes.run(_train_each_variant, cfg.to_dict(), store, tmp_path)
     ref_losses, ref_weights = reference(cfg, store)
     for sharding, ac in VARIANTS:
         name = f"{sharding}-{ac}"

@@ -1,0 +1,175 @@
+"""Training on a reused pair of gloo processes (FSDP2, real files, no Ray): the export holds the trained logits and
+fine-tunes via model.path, a resume restores every piece of state, packed batches train like padded ones, mixed
+precision, CPU offload and other decoder families train."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import tiny_config
+from safetensors.torch import load_file, save_file
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+import raysft
+from raysft.checkpoint import save
+from raysft.checkpointer import DirectorySink
+from raysft.config import TrainConfig
+from raysft.data import prepare_store
+from raysft.metrics import read_metrics
+from raysft.run import launch
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
+
+PROBE = torch.tensor([[5, 60, 70, 80, 90, 100, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14]])
+
+
+def store_for(cfg: TrainConfig) -> Path:
+    return prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+
+
+def _train_then_probe(ctx, cfg: TrainConfig, store: Path, out: Path) -> None:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+    trainer.train()
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=PROBE).logits
+    if ctx.rank == 0:
+        save_file({"logits": logits.contiguous()}, out)
+
+
+def test_export_has_the_trained_logits_and_fine_tunes_via_model_path(tmp_path, gloo_pool):
+    cfg = tiny_config(tmp_path, **{"train.max_steps": 10})
+    gloo_pool.run(_train_then_probe, cfg, store_for(cfg), tmp_path / "live.safetensors")
+    out = raysft.export(cfg.run_dir / "checkpoint_00000010", tmp_path / "hf")
+    assert not any(n in {p.name for p in out.iterdir()} for n in ("optimizer.safetensors", "trainer_state.json"))
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert model.config.use_cache  # generation from the export uses the KV cache
+    with torch.no_grad():
+        exported = model(input_ids=PROBE).logits
+    live = load_file(tmp_path / "live.safetensors")["logits"]
+    torch.testing.assert_close(exported, live, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FileExistsError):
+        raysft.export(cfg.run_dir / "checkpoint_00000010", tmp_path / "hf")
+
+    # Fine-tuning from the exported directory starts from its weights (and its tokenizer), not a fresh init:
+    # the first step's loss (computed before the update) is far below that of a from-scratch run.
+    tuned = tiny_config(tmp_path, **{"model.path": str(out), "model.tokenizer": "", "train.max_steps": 2,
+                                     "run.name": "tuned"})
+    gloo_pool.run(launch, tuned)
+    first_loss = {run: next(m["loss"] for m in read_metrics(c.run_dir) if m.get("step") == 1)
+                  for run, c in (("scratch", cfg), ("tuned", tuned))}
+    assert first_loss["tuned"] < first_loss["scratch"] - 1.0, first_loss
+
+
+def _resume_then_save(ctx, cfg: TrainConfig, store: Path, resume: Path, out: Path) -> None:
+    trainer = Trainer(cfg, store, resume, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+    save(out / f"rank{ctx.rank}", "full", trainer.objs, trainer.state)
+
+
+def test_resume_restores_model_optimizer_schedule_cursor_and_rng(tmp_path, gloo_pool):
+    cfg = tiny_config(tmp_path, **{"train.max_steps": 10, "checkpoint.every_n_steps": 5, "checkpoint.mode": "full"})
+    gloo_pool.run(launch, cfg)
+    saved = cfg.run_dir / "checkpoint_00000005"
+    resaved = tmp_path / "resaved" / "rank0"  # a full checkpoint is all on rank 0
+    gloo_pool.run(_resume_then_save, cfg, store_for(cfg), saved, resaved.parent)
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors"):
+        a, b = load_file(saved / name), load_file(resaved / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert json.loads((saved / "optimizer.json").read_text()) == json.loads((resaved / "optimizer.json").read_text())
+    before, after = (json.loads((d / "trainer_state.json").read_text()) for d in (saved, resaved))
+    assert after == before and before["step"] == 5 and before["scheduler"]["last_epoch"] == 5
+
+
+def test_packed_batches_train_like_padded_ones(tmp_path, gloo_pool):
+    losses = {}
+    for packing in (False, True):
+        cfg = tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_n_steps": 4, "data.packing": packing,
+                                       "run.name": f"packing-{packing}"})
+        gloo_pool.run(launch, cfg)
+        losses[packing] = [(m["step"], m["loss"], m["tokens"]) for m in read_metrics(cfg.run_dir) if "loss" in m]
+    assert [(s, t) for s, _, t in losses[True]] == [(s, t) for s, _, t in losses[False]]  # same samples, same tokens
+    torch.testing.assert_close([v for _, v, _ in losses[True]], [v for _, v, _ in losses[False]], rtol=1e-4, atol=1e-5)
+
+
+STEPS = 24
+# fp16 starts from a loss scale that overflows for sure: the scaler must skip and back off, then train.
+VARIANTS = {
+    "bf16": {"parallel.mixed_precision": "bf16"},
+    "bf16-reduce-bf16": {"parallel.mixed_precision": "bf16", "parallel.reduce_dtype": "bf16"},
+    "fp16": {"parallel.mixed_precision": "fp16", "parallel.fp16_init_scale": 2.0**22},
+    "cpu-offload": {"parallel.cpu_offload": True, "parallel.activation_checkpointing": "full"},
+    "qwen2": {"model.config": "{tmp}/qwen2"},
+    "mistral": {"model.config": "{tmp}/mistral", "parallel.sharding": "SHARD_GRAD_OP"},
+}
+
+
+def _train_variant(ctx, name: str, cfg: TrainConfig, store: Path, out: Path) -> list[str]:
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+    sharded = [type(m).__name__ for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    trainer.train()
+    if name == "fp16":  # the loss scale is part of the checkpoint
+        save(out / f"fp16-ckpt{ctx.rank}", "full", trainer.objs, trainer.state)  # all on rank 0
+        dist.barrier()
+        resumed = Trainer(cfg, store, out / "fp16-ckpt0", DirectorySink(cfg.run_dir, ctx.rank), ctx)
+        assert resumed.scaler.get_scale() == trainer.scaler.get_scale()
+    if name == "qwen2":  # tied embeddings stay one parameter, through training and a sharded checkpoint
+        assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+        mine = out / f"qwen2-ckpt-rank{ctx.rank}"
+        save(mine, "sharded", trainer.objs, trainer.state)
+        dist.barrier()
+        if ctx.rank == 0:
+            for rank in (0, 1):
+                shutil.copytree(out / f"qwen2-ckpt-rank{rank}", out / "qwen2-ckpt", dirs_exist_ok=True)
+        dist.barrier()
+        resumed = Trainer(cfg, store, out / "qwen2-ckpt", DirectorySink(cfg.run_dir, ctx.rank), ctx)
+        assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+        for (key, a), (_, b) in zip(trainer.model.state_dict().items(), resumed.model.state_dict().items(),
+                                    strict=True):
+            assert torch.equal(a.to_local(), b.to_local()), key
+    dist.barrier()
+    return sharded
+
+
+def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
+    base = tiny_config(tmp_path)
+    tokenizer = load_tokenizer(base.model, base.data.chat_template)
+    small = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                 eos_token_id=tokenizer.eos_token_id)
+    Qwen2Config(**small, tie_word_embeddings=True).save_pretrained(tmp_path / "qwen2")
+    MistralConfig(**small).save_pretrained(tmp_path / "mistral")
+    store = prepare_store(base.data, tokenizer, base.store_dir).path
+    sharded = {}
+    for name, sets in VARIANTS.items():
+        cfg = tiny_config(tmp_path, **{"train.max_steps": STEPS, "train.log_every_n_steps": 10,
+                                       "checkpoint.every_n_steps": 1000, "run.name": name,
+                                       **{k: str(v).format(tmp=tmp_path) for k, v in sets.items()}})
+        sharded[name] = gloo_pool.run(_train_variant, name, cfg, store, tmp_path)[0]
+
+    for name in VARIANTS:
+        steps = [m for m in read_metrics(base.run_dir.parent / name) if "loss" in m]
+        assert len(steps) == STEPS
+        trained = [m for m in steps if not m.get("skipped")]
+        first, last = [sum(m["loss"] for m in part) / 5 for part in (trained[:5], trained[-5:])]
+        assert last < 0.75 * first, f"{name}: loss {first:.3f} -> {last:.3f}"
+        assert all(m["peak_mem_gb"] > 0 for m in steps)
+
+    # fully_shard went on each decoder layer (the class the model declares) and on the root
+    assert sharded["bf16"] == ["FSDPLlamaForCausalLM"] + ["FSDPLlamaDecoderLayer"] * 4
+    assert sharded["cpu-offload"] == ["FSDPLlamaForCausalLM"] + ["FSDPCheckpointWrapper"] * 4
+    assert sharded["qwen2"] == ["FSDPQwen2ForCausalLM"] + ["FSDPQwen2DecoderLayer"] * 2
+    assert sharded["mistral"] == ["FSDPMistralForCausalLM"] + ["FSDPMistralDecoderLayer"] * 2
+
+    # fp16: the first steps overflow and are skipped; each overflow halves the scale (no growth within 2000
+    # clean steps), and most steps go through
+    fp16 = [m for m in read_metrics(base.run_dir.parent / "fp16") if "loss" in m]
+    assert fp16[0]["skipped"] and fp16[0]["loss_scale"] == 2.0**22
+    for cur, nxt in zip(fp16, fp16[1:], strict=False):
+        assert nxt["loss_scale"] == cur["loss_scale"] * (0.5 if cur["skipped"] else 1.0), (cur, nxt)
+    assert sum(m["skipped"] for m in fp16) < STEPS // 2
