@@ -24,18 +24,21 @@ TOKENS = "24"  # --max-new-tokens: enough to tell answers apart, cheap on 2 core
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, gloo_pool):
+    """A run of the demo config with a full checkpoint (step 6) and a sharded one (step 9), trained on two gloo
+    processes (the CLI's own training is tested in tests/test_cli.py)."""
+    from raysft.config import load_config
+    from raysft.run import launch
+
     root = tmp_path_factory.mktemp("chat")
-    common = ["train", "jobs/configs/demo.yaml", "--set", "data.max_seq_len=96", "--set", "checkpoint.every_n_steps=3",
-              "--set", "checkpoint.keep=3", "--set", f"run.storage_path={root}", "--set", "run.name=chat"]
+    common = ["data.max_seq_len=96", "checkpoint.every_n_steps=3", "checkpoint.keep=3", f"run.storage_path={root}",
+              "run.name=chat"]
+    for extra in (["train.max_steps=6", "checkpoint.mode=full"], ["train.max_steps=9", "checkpoint.mode=sharded"]):
+        gloo_pool.run(launch, load_config(REPO / "jobs" / "configs" / "demo.yaml", [*common, *extra]))
+    run_dir = root / "chat"
+    full, sharded = run_dir / "checkpoint_00000006", run_dir / "checkpoint_00000009"
+    assert (full / "model.safetensors").is_file() and list(sharded.glob("*.distcp"))
     with cli_env() as env:
-        for extra in (["--set", "train.max_steps=6", "--set", "checkpoint.mode=full"],
-                      ["--set", "train.max_steps=9", "--set", "checkpoint.mode=sharded"]):
-            out = raysft(*common, *extra, env=env)
-            assert out.returncode == 0, out.stderr[-3000:]
-        run_dir = root / "chat"
-        full, sharded = run_dir / "checkpoint_00000006", run_dir / "checkpoint_00000009"
-        assert (full / "model.safetensors").is_file() and list(sharded.glob("*.distcp"))
         yield SimpleNamespace(dir=run_dir, env=env, full=full, sharded=sharded,
                               full_hf=export(full, root / "hf6"), sharded_hf=export(sharded, root / "hf9"))
 
