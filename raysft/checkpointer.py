@@ -10,6 +10,7 @@ The layouts themselves (full, sharded) live in raysft.checkpoint; where a finish
   (`checkpoint_upload_mode=NO_UPLOAD`) and Ray prunes.
 - `ScratchSink`: each rank writes into a node-local scratch directory and hands it to `report`, which copies it
   (Ray's upload to remote storage such as s3://); the scratch copy is removed afterwards.
+- `UploadSink`: the same without Ray: each rank uploads its own files, rank 0 the manifest last.
 
 Everything here is plain torch.distributed: the same code checkpoints under Ray and under torchrun.
 """
@@ -39,7 +40,7 @@ from raysft.checkpoint import (
     load,
     start_save,
 )
-from raysft.collectives import all_ranks
+from raysft.collectives import all_ranks, count_ranks
 from raysft.config import CheckpointConfig
 from raysft.storage import Location, location, native
 
@@ -213,6 +214,59 @@ class DirectorySink:
         complete = [d for d in checkpoint_dirs(self.run_dir) if (d / MANIFEST_FILE).is_file()]
         for old in complete[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class UploadSink:
+    """Without Ray, on remote storage (s3://, gs://, ...): each rank writes into node-local scratch and uploads its
+    own files into `<run>/<name>/`; rank 0 uploads the manifest last, once every rank's upload succeeded, so a
+    checkpoint without one is never loaded. Prunes to `keep`."""
+
+    shared = False
+
+    def __init__(self, run_dir: Location, rank: int, keep: int, scratch: Path, taken: frozenset[str] = frozenset()):
+        self.run_dir, self.rank, self.keep, self.scratch = run_dir, rank, keep, scratch
+        self.taken = set(taken)
+        self.names: dict[Path, str] = {}
+
+    def stage(self, step: int) -> Path:
+        name = checkpoint_name(step, frozenset(self.taken))
+        self.taken.add(name)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        staged = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.scratch))
+        self.names[staged] = name
+        return staged
+
+    def commit(self, staged: Path, step: int, metrics: dict, wrote: bool) -> None:
+        final = self.run_dir / self.names.pop(staged)
+        error = None
+        try:
+            for path in sorted(p for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+                (final / str(path.relative_to(staged))).upload(path)
+        except OSError as e:
+            error = e
+        failed = count_ranks(error is not None)
+        try:
+            if not failed and self.rank == 0:
+                (final / MANIFEST_FILE).upload(staged / MANIFEST_FILE)
+                if self.keep:
+                    complete = [d for d in self.run_dir.dirs(CHECKPOINT_PREFIX) if (d / MANIFEST_FILE).is_file()]
+                    for old in complete[: -self.keep]:
+                        old.fs.delete_dir(old.path)
+        except OSError as e:
+            error = e
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        failed = count_ranks(error is not None)
+        if failed:
+            raise CheckpointSaveError(f"{final}: uploading the checkpoint of step {step} failed on {failed} rank(s)"
+                                      f"{f': {error}' if error else ''}; the previous checkpoint is still the latest")
+
+    def discard(self, staged: Path) -> None:
+        self.names.pop(staged, None)
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def report(self, metrics: dict, step: int) -> None:
+        pass
 
 
 def _fsync_dir(path: Path) -> None:

@@ -3,9 +3,9 @@
     torchrun --nproc-per-node N [--nnodes M ...] -m raysft.run CONFIG.yaml [--set section.key=value ...] [--fresh]
 
 Rank 0 tokenizes the data (or reuses the store) and claims the run directory; then every rank trains, writing
-checkpoints straight into `<run.storage_path>/<run.name>` (raysft.checkpointer's DirectorySink, pruned to
-checkpoint.keep), and a relaunch continues from the run's newest complete checkpoint. run.storage_path must be a
-local or shared (NFS) path that every node mounts. Exit codes as `raysft train`: 2 for a configuration error.
+checkpoints into `<run.storage_path>/<run.name>` (pruned to checkpoint.keep): straight into the directory on a
+local or shared (NFS) path, uploaded by each rank on s3://, gs://, ... A relaunch continues from the run's newest
+complete checkpoint. Exit codes as `raysft train`: 2 for a configuration error.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raysft.checkpointer import DirectorySink, existing_checkpoint_names
+from raysft.checkpointer import (
+    DirectorySink,
+    UploadSink,
+    clear_scratch,
+    existing_checkpoint_names,
+    scratch_root,
+)
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.resume import prepare_launch
 from raysft.trainer import WorkerContext, resume_trainer
@@ -54,9 +60,6 @@ def init_distributed() -> WorkerContext:
 
 def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
-    if not isinstance(config.run_dir, Path):
-        raise ConfigError(f"config key 'run.storage_path': raysft.run writes checkpoints straight into the run "
-                          f"directory, so it needs a local or shared (NFS) path, got {config.run.storage_path!r}")
     store = _prepare_on_rank0(config, ctx.rank, fresh)
     return train(config, store, ctx)
 
@@ -82,10 +85,15 @@ def _prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool) -> Path:
 
 def train(config: TrainConfig, store: Path, ctx: WorkerContext) -> dict:
     """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint."""
-    sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep,
-                         taken=existing_checkpoint_names(config.run_dir, ctx.rank))
-    if ctx.rank == 0:
-        sink.clear_staging()  # parts a killed launch left; no rank stages before the collectives that follow
+    taken = existing_checkpoint_names(config.run_dir, ctx.rank)
+    if isinstance(config.run_dir, Path):
+        sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken)
+        if ctx.rank == 0:
+            sink.clear_staging()  # parts a killed launch left; no rank stages before the collectives that follow
+    else:
+        scratch = scratch_root(config.run.name, config.run_dir)
+        clear_scratch(scratch)
+        sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken)
     return resume_trainer(config, store, ctx, sink).train()
 
 

@@ -290,3 +290,28 @@ def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp
     assert json.loads((cfg.run_dir / FATAL_ERROR_FILE).read_text())["type"] == "ConfigError"
     with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):
         raysft.export(f"{cfg.run_dir}/checkpoint_00000001", tmp_path / "never")
+
+
+@pytest.fixture(scope="module")
+def s3_processes(s3, gloo_pool):
+    """The gloo processes, started after the S3 settings are in the environment (they inherit them)."""
+    return gloo_pool
+
+
+def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp_path, prefix, s3_processes):
+    """raysft.run on s3://: every rank uploads its files, rank 0 the manifest last; a relaunch resumes from the
+    bucket (sharded → full), and checkpoint.keep prunes there too."""
+    from raysft.run import launch
+
+    sets = {"train.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep": 2, "run.storage_path": prefix,
+            "data.store_dir": str(tmp_path / "store"), "train.log_every_n_steps": 100}
+    s3_processes.run(launch, tiny_config(tmp_path, **{**sets, "checkpoint.mode": "sharded",
+                                                              "train.stop_at_step": 3}))
+    cfg = tiny_config(tmp_path, **{**sets, "checkpoint.mode": "full"})
+    s3_processes.run(launch, cfg)
+    run = location(cfg.run_dir)
+    assert [d.name for d in run.dirs("checkpoint_")] == ["checkpoint_00000003", "checkpoint_00000004"]
+    assert incomplete_reason(run / "checkpoint_00000003") is None and incomplete_reason(run / "checkpoint_00000004") \
+        is None
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set((run / "checkpoint_00000003").files())
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3]
