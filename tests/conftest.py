@@ -157,3 +157,10 @@ def gloo_pool(tmp_path_factory):
     pool = GlooPool(2, tmp_path_factory.mktemp("gloo"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def gloo_pool4(tmp_path_factory):
+    pool = GlooPool(4, tmp_path_factory.mktemp("gloo4"))
+    yield pool
+    pool.close()

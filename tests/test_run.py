@@ -94,3 +94,36 @@ def test_torchrun_runs_the_documented_command(tmp_path):
     done = subprocess.run([*common, *sets], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "cli" / "checkpoint_00000002" / MANIFEST_FILE).is_file()
+
+
+def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, uninterrupted, gloo_pool,
+                                                                  gloo_pool4):
+    """4 → 2 → 4 → 2 workers, four strategies, sharded → sharded → full → sharded: the global batch, and so the
+    samples and optimizer steps, stay the same; only the reduction order (float rounding) changes."""
+    ref_losses, ref_weights = uninterrupted
+    legs = [
+        {"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD", "parallel.hsdp_shard_size": 2,
+         "checkpoint.mode": "sharded", "train.stop_at_step": 3},
+        {"scaling.num_workers": 2, "parallel.sharding": "FULL_SHARD", "checkpoint.mode": "sharded",
+         "train.stop_at_step": 6},   # sharded, written by 4 workers, read by 2
+        {"scaling.num_workers": 4, "parallel.sharding": "NO_SHARD", "checkpoint.mode": "full",
+         "train.stop_at_step": 9},   # sharded by 2 → 4 workers; saves full
+        {"scaling.num_workers": 2, "parallel.sharding": "SHARD_GRAD_OP",
+         "checkpoint.mode": "sharded"},  # full → sharded
+    ]
+    for sets in legs:
+        cfg = config(tmp_path, "elastic", **{"train.micro_batch_size": 2, "checkpoint.keep": 9, **sets})
+        (gloo_pool4 if sets["scaling.num_workers"] == 4 else gloo_pool).run(launch, cfg)
+    # HSDP's two replicas hold the same values: together they wrote each tensor once (weights + 2 AdamW moments)
+    hsdp = cfg.run_dir / "checkpoint_00000003"
+    written = sum(f.stat().st_size for f in hsdp.glob("__*_0.distcp"))
+    once = 3 * 4 * sum(v.numel() for v in ref_weights.values())
+    assert len(list(hsdp.glob("__*_0.distcp"))) == 4 and once <= written < 1.05 * once, (written, once)
+    resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
+    assert [r["step"] for r in resumes] == [3, 6, 9]
+    losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    torch.testing.assert_close([v for _, v in losses], [v for _, v in ref_losses], rtol=1e-4, atol=1e-5)
+    weights = final_weights(cfg.run_dir, tmp_path / "hf")
+    for key, value in weights.items():
+        torch.testing.assert_close(value, ref_weights[key], rtol=1e-3, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")

@@ -3,11 +3,10 @@ processes, no Ray: HYBRID_SHARD as 2 replicas of 2)."""
 
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import GlooPool, tiny_config
+from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -65,18 +64,11 @@ def reference(cfg: TrainConfig, store: Path) -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
-@pytest.fixture(scope="module")
-def four_processes(tmp_path_factory):
-    pool = GlooPool(4, tmp_path_factory.mktemp("gloo4"))
-    yield pool
-    pool.close()
-
-
-def test_all_strategies_match_a_single_process_reference(tmp_path, four_processes):
+def test_all_strategies_match_a_single_process_reference(tmp_path, gloo_pool4):
     cfg = tiny_config(tmp_path, **{"train.max_steps": STEPS, "train.global_batch_size": 16,
                                    "train.micro_batch_size": 2, "scaling.num_workers": 4})
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
-    four_processes.run(_train_each_variant, cfg.to_dict(), store, tmp_path)
+    gloo_pool4.run(_train_each_variant, cfg.to_dict(), store, tmp_path)
     ref_losses, ref_weights = reference(cfg, store)
     for sharding, ac in VARIANTS:
         name = f"{sharding}-{ac}"
