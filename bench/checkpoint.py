@@ -44,6 +44,7 @@ def _measure(loop: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from raysft.checkpointer import checkpoint_dirs
     from raysft.config import TrainConfig
     from raysft.launch import ray_sink, ray_worker_context
     from raysft.trainer import Trainer
@@ -67,7 +68,7 @@ def _measure(loop: dict) -> None:
         return int(value.item())
 
     def latest() -> Path:
-        return sorted(cfg.run_dir.glob("checkpoint_*"))[-1]
+        return checkpoint_dirs(cfg.run_dir)[-1]
 
     results: dict[str, list[dict]] = {}
     for mode, asynchronous in [v for r in range(loop["repeats"]) for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1])]:
@@ -111,7 +112,7 @@ def _measure(loop: dict) -> None:
                 {"every": every, "seconds": slowest(time.perf_counter() - start)})
             dist.barrier()
             if ctx.rank == 0:
-                for old in cfg.run_dir.glob("checkpoint_*"):
+                for old in checkpoint_dirs(cfg.run_dir):
                     shutil.rmtree(old, ignore_errors=True)
     write_rank_result(loop, ctx.rank, results)
 
@@ -141,7 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     setup = Setup(args, "checkpoint")
-    ranks = setup.run(_measure, "checkpoint", {"config": setup.config("run.name=checkpoint-bench").to_dict(),
+    # the run directory is Ray's own for this worker group (bench/common.py's RunConfig): Ray registers only
+    # checkpoints inside it, as under raysft.train
+    config = setup.config("run.name=bench-checkpoint", f"run.storage_path={setup.work / 'ray'}")
+    ranks = setup.run(_measure, "checkpoint", {"config": config.to_dict(),
                                                "repeats": args.repeats, "goodput_steps": args.goodput_steps})
     state_mib = ranks[0]["full"][0]["bytes"] / MiB
     disks = [disk_write_gbps(setup.work, max(256, int(state_mib))) for _ in range(args.repeats)]

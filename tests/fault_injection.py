@@ -31,6 +31,18 @@ def arm(faults_dir: Path, name: str, **params) -> None:
 def install() -> None:
     if os.environ.get(FAULTS_ENV):
         sys.meta_path.insert(0, _PatchOnImport())
+        _tick_the_autoscaling_coordinator_often()
+
+
+# Ray Train's elastic policy sizes the worker group from Ray Data's AutoscalingCoordinator, which refreshes its view
+# of the nodes once per tick (20 s): a node just added is seen within a second in these tests instead.
+COORDINATOR_TICK_S = 1
+
+
+def _tick_the_autoscaling_coordinator_often() -> None:
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+
+    coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S = COORDINATOR_TICK_S
 
 
 def _take(name: str, once: bool = True) -> dict | None:

@@ -21,7 +21,7 @@ import ray
 import torch
 import yaml
 from conftest import REPO, start_cluster, tiny_config
-from fault_injection import FAULTS_ENV, arm
+from fault_injection import COORDINATOR_TICK_S, FAULTS_ENV, arm
 from safetensors.torch import load_file
 
 import raysft
@@ -32,7 +32,6 @@ from raysft.launch import CannotPlaceWorkers
 from raysft.metrics import read_metrics
 
 STEPS, EVERY = 24, 6
-AUTOSCALING_COORDINATOR_TICK_S = 20  # Ray Data's _AutoscalingCoordinatorActor.TICK_INTERVAL_S
 # Ray Train's timings, shortened for tests (the driver passes them on to Ray's controller and workers).
 RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
                  "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
@@ -291,8 +290,9 @@ def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(t
     _, b = nodes(), nodes()
     wait_for(lambda: ray.available_resources().get("CPU", 0) >= 4, 60, "4 free CPUs")  # else Ray starts with fewer
     # Ray Train's elastic policy sizes the group from Ray's AutoscalingCoordinator, which refreshes its view of the
-    # nodes once per tick: without a tick since the nodes came, it sees too few and starts with fewer workers.
-    time.sleep(AUTOSCALING_COORDINATOR_TICK_S + 1)
+    # nodes once per tick: without a tick since the nodes came, it sees too few and starts with fewer workers
+    # (fault_injection makes the tick 1 s in these tests' workers)
+    time.sleep(COORDINATOR_TICK_S + 1)
     cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, "scaling.min_workers": 2,
                                          "train.micro_batch_size": 1, "train.global_batch_size": 12})
     run = Background(cfg)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import raysft
 from raysft.checkpoint import MANIFEST_FILE
-from raysft.checkpointer import STAGING_DIR
+from raysft.checkpointer import STAGING_DIR, checkpoint_dirs
 from raysft.metrics import read_metrics
 from raysft.run import launch
 
@@ -30,7 +30,7 @@ def step_losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    raysft.export(sorted(run_dir.glob("checkpoint_*"))[-1], out)
+    raysft.export(checkpoint_dirs(run_dir)[-1], out)
     return load_file(out / "model.safetensors")
 
 
