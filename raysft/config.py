@@ -8,7 +8,9 @@ The defaults are the embedded demo: a tiny LLaMA trained from scratch on the bun
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +41,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    paths: list[str] = field(default_factory=lambda: ["builtin:demo"])
-    """ShareGPT/FastChat or OpenAI-messages files (.json array or .jsonl); "builtin:demo" is the bundled set."""
+    paths: list[str | dict] = field(default_factory=lambda: ["builtin:demo"])
+    """ShareGPT/FastChat or OpenAI-messages conversations: .json arrays, .jsonl, .parquet, or Hugging Face datasets
+    saved with save_to_disk (rows with `messages` or `conversations`); "builtin:demo" is the bundled set. An entry
+    may be {path: ..., weight: w}: the source goes into the store w times over (0.5: about half its records, 2:
+    each twice), the same records on every run."""
+    system_prompt: str = ""
+    """A system message for the conversations that have none ("": none added)."""
     chat_template: str = "auto"
     """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
     max_seq_len: int = 512
@@ -275,6 +282,14 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in typing.get_args(tp):
             raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(str, typing.get_args(tp)))}")
         return value
+    if origin in (typing.Union, types.UnionType):  # data.paths entries: a path, or {path, weight}
+        for option in typing.get_args(tp):
+            if option is dict and isinstance(value, dict):
+                return dict(value)
+            if option is str and isinstance(value, (str, int)) and not isinstance(value, bool):
+                return str(value)
+        raise ConfigError(f"config key '{key}': expected {' or '.join(a.__name__ for a in typing.get_args(tp))}, "
+                          f"got {value!r}")
     if origin in (list, list):
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -331,6 +346,7 @@ def validate(cfg: TrainConfig) -> None:
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
+    data_sources(d.paths)
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
              f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")
@@ -341,6 +357,25 @@ def validate(cfg: TrainConfig) -> None:
     _require(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name",
              f"must be a non-empty name without '/', got {cfg.run.name!r}")
     _validate_storage(cfg)
+
+
+def data_sources(paths: list[str | dict]) -> list[tuple[str, float]]:
+    """(path, weight) of every data.paths entry: a path (weight 1), or {path, weight} with a finite weight > 0."""
+    sources = []
+    for i, entry in enumerate(paths):
+        key = f"data.paths[{i}]"
+        if isinstance(entry, str):
+            sources.append((entry, 1.0))
+            continue
+        unknown = sorted(set(entry) - {"path", "weight"})
+        _require(not unknown, key, f"unknown key {unknown[0] if unknown else ''!r} (an entry is a path, or "
+                 "{path: ..., weight: w})")
+        path, weight = entry.get("path"), entry.get("weight", 1.0)
+        _require(isinstance(path, str) and bool(path), key, f"needs a 'path', got {entry!r}")
+        _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+                 and weight > 0, key, f"weight must be a finite number > 0, got {weight!r}")
+        sources.append((path, float(weight)))
+    return sources
 
 
 def _validate_storage(cfg: TrainConfig) -> None:

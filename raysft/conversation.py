@@ -38,8 +38,9 @@ class Conversation:
     tools: list[dict] | None = field(default=None)
 
 
-def to_conversation(record: Any) -> Conversation:
-    """Normalize either input format, rejecting what would train on garbage."""
+def to_conversation(record: Any, system_prompt: str = "") -> Conversation:
+    """Normalize either input format, rejecting what would train on garbage; `system_prompt` opens conversations
+    that have no system message."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
@@ -57,6 +58,8 @@ def to_conversation(record: Any) -> Conversation:
     messages = [_message(turn, f"{field_name}[{i}]", role_key, content_key) for i, turn in enumerate(turns)]
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant_turn", f"'{field_name}' has no assistant turn to learn from")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
     return Conversation(messages, _tools(record.get("tools")))
 
 
