@@ -1,29 +1,24 @@
 """Conversations → token ids with assistant-only labels → a parquet store that every run can reuse.
 
 Records are ShareGPT/FastChat (`{"conversations": [{"from", "value"}]}`) or OpenAI (`{"messages": [{"role",
-"content"}]}`), in a JSON array or JSON Lines. Labels come from the chat template itself: `{% generation %}`
-blocks where the template has them, otherwise the difference between renderings of successive prefixes.
-The store is content-addressed (source hashes, tokenizer, template, max length), so a changed input makes a new
-store and an existing one is never rewritten in place.
-
-Large inputs are tokenized on the Ray cluster (`data.prepare`): the driver cuts the files into chunks of whole
-records and Ray Data tasks tokenize one chunk each into its own parquet file. Rows, record indices, counts and
-error messages are those of the single-process path; only the number of parquet files differs.
+"content"}]}`), in JSON arrays, JSON Lines, parquet files or Hugging Face datasets directories (raysft.sources), each
+source sampled into the store by its weight. Labels come from the chat template (raysft.labels). The store is
+content-addressed (source hashes and weights, tokenizer, template, max length, labelling), so a changed input makes
+a new store and an existing one is never rewritten in place. Large inputs are tokenized on Ray (raysft.prepare_ray)
+into the same rows.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +27,26 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
-from raysft.config import BUILTIN, DataConfig
+from raysft.config import BUILTIN, DataConfig, data_sources
 from raysft.conversation import BadRecord, to_conversation
 from raysft.demo import DEMO_CONVERSATIONS
 from raysft.labels import IGNORE_INDEX, label_conversation, marks_generation, template_profile
+from raysft.sources import (
+    Source,
+    SourceError,
+    check_table,
+    copies,
+    is_table,
+    source_bytes,
+    source_sha256,
+    table_records,
+)
 from raysft.tokenizer import tokenizer_fingerprint
 
 __all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreInfo", "prepare_store", "read_manifest", "read_store",
            "store_files"]
 
 STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.labels), tool calls
-# data.prepare=auto: inputs this large are worth Ray's start-up (a few seconds) when a cluster is there.
-RAY_MIN_BYTES = 64 << 20
-# Input bytes per Ray task at most; fewer when that keeps every CPU of the cluster busy (4 chunks per CPU).
-CHUNK_BYTES = 32 << 20
-MIN_CHUNK_BYTES = 64 << 10
 # Token bytes per parquet row group: a worker reading one sample decodes its whole row group (about 1 ms here).
 ROW_GROUP_BYTES = 256 << 10
 
@@ -59,24 +59,40 @@ def resolve_data_path(name: str) -> Path:
     if name == BUILTIN + "demo":
         return DEMO_CONVERSATIONS
     path = Path(name).expanduser()
-    if not path.is_file():
-        raise DataError(f"data.paths: {name} is not a file")
+    if not (path.is_file() or path.is_dir()):
+        raise DataError(f"data.paths: {name} is not a file or a dataset directory")
     return path
+
+
+def resolve_sources(cfg: DataConfig) -> list[Source]:
+    sources = []
+    for name, weight in data_sources(cfg.paths):
+        path = resolve_data_path(name)
+        try:
+            if is_table(path):
+                check_table(path)
+        except SourceError as e:
+            raise DataError(f"data.paths: {e}") from None
+        sources.append(Source(name, path, weight, source_sha256(path), source_bytes(path)))
+    return sources
 
 
 def read_records(path: Path) -> Iterator[tuple[int, Any]]:
     """(index, record) pairs; an unparseable JSONL line is yielded as a BadRecord for the caller to judge."""
+    if is_table(path):
+        yield from table_records(path)
+        return
     if path.suffix == ".jsonl":
         with path.open("rb") as f:
-            yield from _jsonl_records(f, index=0, lineno=1)
+            yield from jsonl_records(f, index=0, lineno=1)
         return
-    yield from enumerate(_json_array(path, _json_text(path)))
+    yield from enumerate(json_array(path, json_text(path)))
 
 
-def _jsonl_records(lines: Iterable[bytes], index: int, lineno: int) -> Iterator[tuple[int, Any]]:
+def jsonl_records(lines: Iterable[bytes], index: int, lineno: int) -> Iterator[tuple[int, Any]]:
     """Lines end at b"\\n" only, so that a byte range cut after one reads exactly as the whole file does."""
     for raw in lines:
-        if not _is_blank(raw):
+        if not is_blank(raw):
             try:
                 yield index, json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
@@ -87,7 +103,7 @@ def _jsonl_records(lines: Iterable[bytes], index: int, lineno: int) -> Iterator[
         lineno += 1
 
 
-def _is_blank(raw: bytes) -> bool:
+def is_blank(raw: bytes) -> bool:
     """A line of whitespace only, as str.strip sees it (blank lines are not records and take no index)."""
     stripped = raw.strip()
     if not stripped:
@@ -97,7 +113,7 @@ def _is_blank(raw: bytes) -> bool:
     return not raw.decode("utf-8", "replace").strip()
 
 
-def _json_text(path: Path) -> str:
+def json_text(path: Path) -> str:
     """The file as text, newlines untranslated: character positions then map to byte positions."""
     try:
         return path.read_bytes().decode("utf-8")
@@ -105,7 +121,7 @@ def _json_text(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text: {e}") from None
 
 
-def _json_array(path: Path, text: str) -> list:
+def json_array(path: Path, text: str) -> list:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -118,7 +134,7 @@ def _json_array(path: Path, text: str) -> list:
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")  # json's own definition of whitespace
 
 
-def _json_array_spans(text: str) -> list[tuple[int, int]] | None:
+def json_array_spans(text: str) -> list[tuple[int, int]] | None:
     """Character spans of the elements of a top-level JSON array, parsed one at a time so that only one record is in
     memory; None for anything json.loads would not read as an array (it then gives the error message)."""
     decoder = json.JSONDecoder()
@@ -152,24 +168,17 @@ class StoreInfo:
     """"local" or "ray" when this call wrote the store (the store is the same either way)."""
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path) -> StoreInfo:
     """Tokenize cfg.paths into `<store_root>/<fingerprint>` unless an identical store is already there.
 
     Where (data.prepare) is not part of the fingerprint: both ways write the same rows and manifest.
     """
-    sources = [resolve_data_path(p) for p in cfg.paths]
-    source_info = [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size} for p in sources]
+    sources = resolve_sources(cfg)
+    source_info = [s.info() for s in sources]
     key = {
         "format": STORE_FORMAT,
-        "sources": [s["sha256"] for s in source_info],
+        "sources": [[s.sha256, s.weight] if s.weight != 1 else s.sha256 for s in sources],
+        "system_prompt": cfg.system_prompt,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_seq_len": cfg.max_seq_len,
         "on_bad_record": cfg.on_bad_record,
@@ -183,12 +192,14 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         if manifest.get("fingerprint") == fingerprint:
             return StoreInfo(store, manifest["counts"]["samples"], reused=True)
 
-    on_ray = _use_ray(cfg.prepare, sum(s["bytes"] for s in source_info))
+    from raysft.prepare_ray import tokenize_on_ray, use_ray
+
+    on_ray = use_ray(cfg.prepare, sum(s.bytes for s in sources))
     # Build beside the final place and rename, so a crash never leaves a half-written store that looks complete.
     store_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{fingerprint}.", dir=store_root))
     try:
-        counts = (_tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp)
+        counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp)
         manifest = {
             "fingerprint": fingerprint,
             "key": key,
@@ -242,7 +253,7 @@ def read_store(store: Path, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables([pq.read_table(p, columns=columns) for p in store_files(store)])
 
 
-class _Samples:
+class Samples:
     """Tokenized records, in input order, and the counts the manifest keeps. The local path feeds it every record,
     a Ray task one chunk's: the same code on both sides is what makes the two stores agree."""
 
@@ -251,12 +262,17 @@ class _Samples:
         self.columns: dict[str, list] = {"input_ids": [], "labels": [], "num_loss_tokens": [], "source": [],
                                          "record": []}
         self.skipped: Counter[str] = Counter()
-        self.records = self.truncated = self.rewritten_turns = 0
+        self.records = self.truncated = self.rewritten_turns = self.weighted_out = 0
 
-    def add(self, source: str, index: int, record: Any) -> None:
+    def add(self, source: str, index: int, record: Any, copies: int = 1) -> None:
+        """One record, appended `copies` times (its source's weight); one not sampled at all is counted only."""
         self.records += 1
+        if not copies:
+            self.weighted_out += 1
+            return
         try:
-            sample = label_conversation(self.tokenizer, to_conversation(record), self.cfg.max_seq_len,
+            sample = label_conversation(self.tokenizer, to_conversation(record, self.cfg.system_prompt),
+                                        self.cfg.max_seq_len,
                                         self.cfg.train_on)
             input_ids, labels = sample.input_ids, sample.labels
             # a label at position 0 is never predicted: count what the shifted loss actually sees
@@ -273,11 +289,12 @@ class _Samples:
         self.truncated += len(input_ids) == self.cfg.max_seq_len
         self.rewritten_turns += sample.rewritten_turns
         for name, value in zip(self.columns, (input_ids, labels, num_loss_tokens, source, index), strict=True):
-            self.columns[name].append(value)
+            self.columns[name].extend([value] * copies)
 
     def counts(self) -> dict:
         return {"records": self.records, "samples": len(self.columns["record"]), "truncated": self.truncated,
-                "rewritten_turns": self.rewritten_turns, "skipped": dict(self.skipped)}
+                "rewritten_turns": self.rewritten_turns, "weighted_out": self.weighted_out,
+                "skipped": dict(self.skipped)}
 
     def write(self, path: Path) -> None:
         c = self.columns
@@ -299,207 +316,17 @@ def write_samples(table: pa.Table, path: Path) -> None:
     os.replace(part, path)
 
 
-def _no_usable_records(sources: list[Path], skipped: dict) -> DataError:
-    return DataError(f"no usable records in {', '.join(map(str, sources))} (skipped: {skipped})")
+def no_usable_records(sources: list[Source], skipped: dict) -> DataError:
+    return DataError(f"no usable records in {', '.join(str(s.path) for s in sources)} (skipped: {skipped})")
 
 
-def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Path], out: Path) -> dict:
-    samples = _Samples(tokenizer, cfg)
+def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path) -> dict:
+    samples = Samples(tokenizer, cfg)
     for source in sources:
-        for index, record in read_records(source):
-            samples.add(str(source), index, record)
+        for index, record in read_records(source.path):
+            samples.add(str(source.path), index, record, copies(source.weight, source.sha256, index))
     counts = samples.counts()
     if not counts["samples"]:
-        raise _no_usable_records(sources, counts["skipped"])
+        raise no_usable_records(sources, counts["skipped"])
     samples.write(out / "samples.parquet")
     return counts
-
-
-# --- on Ray ---------------------------------------------------------------------------------------------------
-
-
-def _use_ray(mode: str, input_bytes: int) -> bool:
-    """auto: Ray for large inputs, and only when a cluster is there to use; never a Ray started just for this."""
-    if mode != "auto":
-        return mode == "ray"
-    if input_bytes < RAY_MIN_BYTES:
-        return False
-    import ray
-
-    return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
-
-
-@dataclass
-class _Chunk:
-    """Whole records of one input file: bytes [start, end), and the file's index (and JSONL line) of the first."""
-
-    number: int  # the chunk's place in the store: samples-<number>.parquet
-    open: str  # an absolute path (tasks run in another directory), or builtin:... (the task's own install)
-    source: str  # as the local path writes it: the `source` column and error messages
-    jsonl: bool
-    start: int
-    end: int
-    index: int
-    lineno: int = 0  # JSONL: the file's line number of the chunk's first line
-    records: int = 0  # JSON array: the chunk's element count
-
-
-def _plan(names: list[str], sources: list[Path], chunk_bytes: int) -> tuple[list[_Chunk], DataError | None]:
-    """Every file's chunks in order, up to the first file that cannot be read, and that file's error: the local path
-    meets it only after the records before it, so a bad record there is the error to report."""
-    chunks: list[_Chunk] = []
-    for name, source in zip(names, sources, strict=True):
-        try:
-            spans = (_jsonl_chunks if source.suffix == ".jsonl" else _json_chunks)(source, chunk_bytes)
-        except DataError as e:
-            return chunks, e
-        open_as = name if name.startswith(BUILTIN) else str(source.resolve())
-        chunks += [_Chunk(len(chunks) + i, open_as, str(source), **span) for i, span in enumerate(spans)]
-    return chunks, None
-
-
-def _jsonl_chunks(path: Path, chunk_bytes: int) -> list[dict]:
-    """Cuts after a newline once a chunk has chunk_bytes, counting records and lines on the way (one fast pass)."""
-    chunks: list[dict] = []
-    start = pos = index = first_index = 0
-    lineno = first_lineno = 1
-    with path.open("rb") as f:
-        for raw in f:
-            pos += len(raw)
-            index += not _is_blank(raw)
-            lineno += 1
-            if pos - start >= chunk_bytes:
-                chunks.append({"jsonl": True, "start": start, "end": pos, "index": first_index, "lineno": first_lineno})
-                start, first_index, first_lineno = pos, index, lineno
-    if pos > start:
-        chunks.append({"jsonl": True, "start": start, "end": pos, "index": first_index, "lineno": first_lineno})
-    return chunks
-
-
-def _json_chunks(path: Path, chunk_bytes: int) -> list[dict]:
-    """A JSON array cannot be cut blindly: the driver finds the elements' byte spans (one record in memory at a
-    time, besides the text) and cuts between elements."""
-    text = _json_text(path)
-    spans = _json_array_spans(text)
-    if spans is None:
-        _json_array(path, text)  # raises the error the local path raises
-        raise AssertionError(f"{path}: json.loads reads an array where the element scan does not")
-    to_byte = _byte_offsets(text)
-    chunks, i = [], 0
-    while i < len(spans):
-        j = i + 1
-        while j < len(spans) and spans[j][1] - spans[i][0] <= chunk_bytes:
-            j += 1
-        chunks.append({"jsonl": False, "start": to_byte(spans[i][0]), "end": to_byte(spans[j - 1][1]), "index": i,
-                       "records": j - i})
-        i = j
-    return chunks
-
-
-def _byte_offsets(text: str):
-    """Maps increasing character positions of UTF-8 text to byte positions, encoding each stretch once."""
-    if text.isascii():
-        return lambda pos: pos
-    at = [0, 0]  # character, byte
-
-    def to_byte(pos: int) -> int:
-        at[1] += len(text[at[0] : pos].encode("utf-8"))
-        at[0] = pos
-        return at[1]
-
-    return to_byte
-
-
-def _chunk_records(chunk: _Chunk) -> Iterator[tuple[int, Any]]:
-    path = resolve_data_path(chunk.open) if chunk.open.startswith(BUILTIN) else Path(chunk.open)
-    with path.open("rb") as f:
-        f.seek(chunk.start)
-        data = f.read(chunk.end - chunk.start)
-    if chunk.jsonl:
-        yield from _jsonl_records(io.BytesIO(data), chunk.index, chunk.lineno)
-        return
-    records = json.loads("[" + data.decode("utf-8") + "]")
-    if len(records) != chunk.records:
-        raise DataError(f"{chunk.source} changed while it was being tokenized; run again")
-    yield from enumerate(records, chunk.index)
-
-
-def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprint: str, cfg: DataConfig,
-                     out_dir: str) -> dict:
-    """A Ray Data task: tokenizes whole chunks, each into its own parquet file, and returns each chunk's counts, or
-    its first bad record's message (on_bad_record=error). The tokenizer comes from the driver through the object
-    store, so no node needs its files. Tasks, not actors: Ray's worker processes, transformers imported, stay warm
-    from one preparation to the next (0.3 s instead of 15 s for the demo here)."""
-    if tokenizer_fingerprint(tokenizer) != fingerprint:
-        raise RuntimeError("the tokenizer does not tokenize on this node as it does on the driver")
-    results = []
-    for spec in batch["chunk"]:
-        chunk, samples = _Chunk(**json.loads(spec)), _Samples(tokenizer, cfg)
-        try:
-            for index, record in _chunk_records(chunk):
-                samples.add(chunk.source, index, record)
-            if samples.counts()["samples"]:
-                samples.write(Path(out_dir) / f"samples-{chunk.number:05d}.parquet")
-        except DataError as e:
-            results.append({"number": chunk.number, "error": str(e)})
-        except FileNotFoundError as e:
-            results.append({"number": chunk.number, "error": (
-                f"{e.filename}: not found on {socket.gethostname()}: with data.prepare=ray every node reads data.paths "
-                "and writes data.store_dir at the driver's paths (a shared mount), or set data.prepare=local")})
-        else:
-            results.append({"number": chunk.number, **samples.counts()})
-    return {"result": [json.dumps(r) for r in results]}
-
-
-def _tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Path], out: Path) -> dict:
-    """The local path's result from Ray Data tasks: chunks are planned on the driver, tokenized in any order and
-    put back in input order by their number (files samples-<number>.parquet, results sorted)."""
-    import ray
-
-    started = _connect_ray()
-    try:
-        cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-        total = sum(s.stat().st_size for s in sources)
-        chunk_bytes = max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, total // (4 * cpus)))
-        chunks, unreadable = _plan(cfg.paths, sources, chunk_bytes)
-        results = []
-        if chunks and not (unreadable and cfg.on_bad_record == "skip"):
-            rows = ray.data.from_items([{"chunk": json.dumps(asdict(c))} for c in chunks],
-                                       override_num_blocks=len(chunks)).map_batches(
-                _tokenize_chunks, batch_size=1, num_cpus=1,
-                fn_kwargs={"tokenizer": tokenizer, "fingerprint": tokenizer_fingerprint(tokenizer),
-                           "cfg": cfg, "out_dir": str(out)},
-            ).take_all()
-            results = sorted((json.loads(r["result"]) for r in rows), key=lambda r: r["number"])
-            assert [r["number"] for r in results] == list(range(len(chunks))), "a chunk is missing"
-    finally:
-        if started:
-            ray.shutdown()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:  # the first in input order: the one the local path stops at
-        raise DataError(errors[0])
-    if unreadable:
-        raise unreadable
-    counts = {"records": 0, "samples": 0, "truncated": 0, "rewritten_turns": 0}
-    skipped: Counter[str] = Counter()
-    for r in results:
-        for name in counts:
-            counts[name] += r[name]
-        skipped.update(r["skipped"])  # in chunk order: reasons in order of first appearance, as locally
-    if not counts["samples"]:
-        raise _no_usable_records(sources, dict(skipped))
-    return {**counts, "skipped": dict(skipped)}
-
-
-def _connect_ray() -> bool:
-    """The running Ray, the cluster in RAY_ADDRESS, or else a local Ray started here: True then, and the caller shuts
-    it down (`raysft train` then starts its own, sized for the workers)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-        return False
-    ray.init(include_dashboard=False)
-    return True

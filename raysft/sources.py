@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,21 @@ import pyarrow.parquet as pq
 
 HF_STATE_FILE = "state.json"  # what Dataset.save_to_disk writes beside its Arrow files
 HF_DICT_FILE = "dataset_dict.json"  # DatasetDict.save_to_disk: one directory per split
+
+
+@dataclass(frozen=True)
+class Source:
+    """One data.paths entry, resolved: what the store's key and manifest record of it."""
+
+    name: str  # as configured (a path, or builtin:demo)
+    path: Path
+    weight: float
+    sha256: str
+    bytes: int
+
+    def info(self) -> dict:
+        return {"path": str(self.path), "sha256": self.sha256, "bytes": self.bytes,
+                **({"weight": self.weight} if self.weight != 1 else {})}
 
 
 class SourceError(ValueError):
@@ -77,6 +93,10 @@ def table_records(path: Path, start: int = 0, stop: int | None = None) -> Iterat
                     return
                 yield index + i, {k: v for k, v in rows[i].items() if v is not None}
         index += batch.num_rows
+
+
+def source_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
 
 def source_sha256(path: Path) -> str:

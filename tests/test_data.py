@@ -1,5 +1,6 @@
 import json
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import SHARED_DATASETS
@@ -14,6 +15,7 @@ from raysft.data import (
     read_store,
     store_files,
 )
+from raysft.demo import DEMO_CONVERSATIONS
 from raysft.labels import label_conversation
 from raysft.tokenizer import VICUNA_SYSTEM, VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
 
@@ -168,15 +170,16 @@ needs_fastchat = pytest.mark.skipif(not FASTCHAT.is_file(), reason="../shared/da
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few KiB, so that every test file is cut into several Ray tasks, mid-file."""
-    import raysft.data
+    import raysft.prepare_ray
 
-    monkeypatch.setattr(raysft.data, "MIN_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(raysft.data, "CHUNK_BYTES", 16384)
+    monkeypatch.setattr(raysft.prepare_ray, "MIN_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(raysft.prepare_ray, "CHUNK_BYTES", 16384)
 
 
 def prepare_both(tok, tmp_path, paths, **data):
-    local = prepare_store(DataConfig(paths=[str(p) for p in paths], prepare="local", **data), tok, tmp_path / "local")
-    on_ray = prepare_store(DataConfig(paths=[str(p) for p in paths], prepare="ray", **data), tok, tmp_path / "ray")
+    paths = [p if isinstance(p, dict) else str(p) for p in paths]
+    local = prepare_store(DataConfig(paths=paths, prepare="local", **data), tok, tmp_path / "local")
+    on_ray = prepare_store(DataConfig(paths=paths, prepare="ray", **data), tok, tmp_path / "ray")
     assert (local.built_with, on_ray.built_with) == ("local", "ray")
     return local, on_ray
 
@@ -208,6 +211,24 @@ def test_ray_store_equals_local_store_on_fastchat_data(tmp_path, tok, ray_cluste
     assert_same_store(local, on_ray)
     counts = read_manifest(on_ray.path)["counts"]
     assert counts["truncated"] > 0 and counts["skipped"]  # short max_seq_len: truncations and empty samples
+
+
+def test_ray_store_equals_local_store_on_weighted_parquet_and_datasets_sources(tmp_path, tok, ray_cluster,
+                                                                              small_chunks):
+    """Table sources are cut by rows; weights sample the same records on either path."""
+    datasets = pytest.importorskip("datasets")
+    demo = json.loads(DEMO_CONVERSATIONS.read_text())
+    pq.write_table(pa.Table.from_pylist(demo[:300]), tmp_path / "d.parquet", row_group_size=64)
+    datasets.Dataset.from_list(demo[300:600]).save_to_disk(tmp_path / "ds")
+    local, on_ray = prepare_both(tok, tmp_path, [{"path": str(tmp_path / "d.parquet"), "weight": 0.5},
+                                                 {"path": str(tmp_path / "ds"), "weight": 1.5}],
+                                 system_prompt="Be brief.")
+    assert_same_store(local, on_ray)
+    counts = read_manifest(local.path)["counts"]
+    assert counts["records"] == 600 and 120 < counts["weighted_out"] < 180  # about half the parquet's 300
+    assert 300 - counts["weighted_out"] + 300 < counts["samples"] < 600 + 300  # the datasets source 1.5 times
+    sources = read_manifest(local.path)["sources"]
+    assert [s.get("weight") for s in sources] == [0.5, 1.5]
 
 
 @needs_fastchat
@@ -274,11 +295,11 @@ def test_jsonl_lines_read_the_same_cut_anywhere(tmp_path, tok, ray_cluster, smal
 def test_auto_prepares_on_ray_only_for_large_inputs_when_ray_is_there(tmp_path, tok, ray_cluster, monkeypatch):
     import ray
 
-    import raysft.data
+    import raysft.prepare_ray
 
     data = DataConfig(paths=["builtin:demo"])  # prepare: auto
     assert prepare_store(data, tok, tmp_path / "a").built_with == "local"  # 390 kB: not worth Ray
-    monkeypatch.setattr(raysft.data, "RAY_MIN_BYTES", 1000)
+    monkeypatch.setattr(raysft.prepare_ray, "RAY_MIN_BYTES", 1000)
     assert prepare_store(data, tok, tmp_path / "b").built_with == "ray"
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -286,7 +307,7 @@ def test_auto_prepares_on_ray_only_for_large_inputs_when_ray_is_there(tmp_path, 
 
 
 def test_json_array_spans_agree_with_json_loads():
-    from raysft.data import _json_array_spans
+    from raysft.data import json_array_spans as _json_array_spans
 
     text = ' \n[ {"a": "]", "b": [1, {"c": "\\","}]} ,\r\n"x" ,3.5e2, null,[] ]\n '
     spans = _json_array_spans(text)
@@ -299,7 +320,7 @@ def test_json_array_spans_agree_with_json_loads():
 def test_a_ray_task_that_cannot_see_the_input_says_what_to_do(tmp_path, tok):
     from dataclasses import asdict
 
-    from raysft.data import _Chunk, _tokenize_chunks
+    from raysft.prepare_ray import _Chunk, _tokenize_chunks
 
     chunk = _Chunk(0, str(tmp_path / "elsewhere.jsonl"), "elsewhere.jsonl", jsonl=True, start=0, end=10, index=0)
     out = _tokenize_chunks({"chunk": [json.dumps(asdict(chunk))]}, tok, tokenizer_fingerprint(tok), DataConfig(),
