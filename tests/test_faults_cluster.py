@@ -134,12 +134,16 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def train_worker_pids() -> list[int]:
+    """The Ray Train workers of this test's cluster: descendants of this process (its raylets' workers), never
+    another Ray's on the same machine."""
+    import psutil
+
     pids = []
-    for proc in Path("/proc").iterdir():
+    for child in psutil.Process().children(recursive=True):
         try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
-                pids.append(int(proc.name))
-        except OSError:
+            if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):  # Ray's process title
+                pids.append(child.pid)
+        except psutil.Error:
             pass
     return pids
 
