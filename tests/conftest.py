@@ -53,6 +53,21 @@ def tiny_config(tmp_path, **sections):
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
+STEPS = 12  # the checkpoint and resume tests' runs: 12 steps, a checkpoint every 3
+
+
+def run_config(tmp_path, name, **sets):
+    """A run of STEPS steps that checkpoints every 3, for the checkpoint and resume tests."""
+    return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "run.name": name,
+                                    "train.log_every_n_steps": 100, **sets})
+
+
+def step_losses(run_dir) -> list[tuple[int, float]]:
+    from raysft.metrics import read_metrics
+
+    return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
+
+
 def run_workers(fn, loop_config: dict, tmp_path, num_workers: int = 2):
     """Run `fn` on a plain TorchTrainer (gloo), for tests that need to look inside the workers."""
     from ray.train import RunConfig, ScalingConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import STEPS, run_config, step_losses
 from safetensors.torch import load_file
 
 import raysft
@@ -15,16 +15,10 @@ from raysft.checkpoint import MANIFEST_FILE
 from raysft.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
-STEPS = 12
 
 
-def config(tmp_path, name, **sets):
-    return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "run.name": name,
-                                    "train.log_every_n_steps": 100, **sets})
 
 
-def step_losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
 
 
 def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tensor]:
@@ -39,7 +33,7 @@ def uninterrupted(gloo_pool, tmp_path_factory):
     from raysft.run import launch
 
     tmp = tmp_path_factory.mktemp("reference")
-    cfg = config(tmp, "reference", **{"checkpoint.mode": "auto"})
+    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "auto"})
     gloo_pool.run(launch, cfg)
     start = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "start")
     assert start["checkpoint_mode"] == "full"  # auto: a tiny model's state fits rank 0's memory many times
@@ -54,7 +48,7 @@ def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_
     legs = [{"checkpoint.mode": "sharded", "checkpoint.async": True, "train.stop_at_step": 6},
             {"checkpoint.mode": "full"}]
     for sets in legs:
-        cfg = config(tmp_path, "resumed", **{"checkpoint.keep": 9, **sets})
+        cfg = run_config(tmp_path, "resumed", **{"checkpoint.keep": 9, **sets})
         result = raysft.train(cfg)
         stop = sets.get("train.stop_at_step", STEPS)
         ckpt = cfg.run_dir / f"checkpoint_{stop:08d}"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_config
+from conftest import run_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoModelForCausalLM
@@ -23,13 +23,9 @@ from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 
-def config(tmp_path, name, **sets):
-    return tiny_config(tmp_path, **{"train.max_steps": 12, "checkpoint.every_n_steps": 3, "run.name": name,
-                                    "train.log_every_n_steps": 100, **sets})
-
-
 def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path, gloo_pool):
-    first = config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6, "checkpoint.keep": 9})
+    first = run_config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6,
+                                            "checkpoint.keep": 9})
     gloo_pool.run(launch, first)
     torn = first.run_dir / "checkpoint_00000006"
     shard = torn / "__1_0.distcp"
@@ -37,7 +33,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path, gloo_pool):
     with pytest.raises(CheckpointError, match="__1_0.distcp has .* bytes, the manifest says"):
         raysft.export(torn, tmp_path / "never")
 
-    gloo_pool.run(launch, config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
+    gloo_pool.run(launch, run_config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
                                                       "checkpoint.keep": 9}))
     records = read_metrics(first.run_dir)
     skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
@@ -59,7 +55,7 @@ def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path, gloo_pool):
 
 def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, gloo_pool):
     """A sharded checkpoint exported in shards of at most 1 MiB: safetensors shards + index, same weights."""
-    cfg = config(tmp_path, "shards", **{"checkpoint.mode": "sharded", "train.max_steps": 3})
+    cfg = run_config(tmp_path, "shards", **{"checkpoint.mode": "sharded", "train.max_steps": 3})
     gloo_pool.run(launch, cfg)
     out = raysft.export(cfg.run_dir / "checkpoint_00000003", tmp_path / "hf", max_shard_bytes=2**20)
     index = json.loads((out / INDEX_FILE).read_text())
@@ -117,7 +113,7 @@ def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
 
 
 def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gloo_pool):
-    cfg = config(tmp_path, "async", **{"checkpoint.async": True})
+    cfg = run_config(tmp_path, "async", **{"checkpoint.async": True})
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
     cfg.run_dir.mkdir(parents=True)
     outcomes = gloo_pool.run(_async_saves, cfg, store, tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_config
+from conftest import REPO, STEPS, run_config, step_losses
 from safetensors.torch import load_file
 
 import raysft
@@ -16,17 +16,6 @@ from raysft.checkpoint import MANIFEST_FILE
 from raysft.checkpointer import STAGING_DIR, checkpoint_dirs
 from raysft.metrics import read_metrics
 from raysft.run import launch
-
-STEPS = 12
-
-
-def config(tmp_path, name, **sets):
-    return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "run.name": name,
-                                    "train.log_every_n_steps": 100, **sets})
-
-
-def step_losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -37,7 +26,7 @@ def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def uninterrupted(gloo_pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
-    cfg = config(tmp, "reference", **{"checkpoint.mode": "full"})
+    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
     gloo_pool.run(launch, cfg)
     return step_losses(cfg.run_dir), final_weights(cfg.run_dir, tmp / "hf")
 
@@ -51,7 +40,7 @@ def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit
             {"checkpoint.mode": "full", "train.stop_at_step": 8},
             {"checkpoint.mode": "sharded"}]
     for sets in legs:
-        cfg = config(tmp_path, "resumed", **{"checkpoint.keep": 9, **sets})
+        cfg = run_config(tmp_path, "resumed", **{"checkpoint.keep": 9, **sets})
         gloo_pool.run(launch, cfg)
         stop = sets.get("train.stop_at_step", STEPS)
         ckpt = cfg.run_dir / f"checkpoint_{stop:08d}"
@@ -80,7 +69,8 @@ def dir_bytes(path: Path) -> int:
 
 
 def test_without_ray_checkpoint_keep_prunes_the_oldest(tmp_path, gloo_pool):
-    cfg = config(tmp_path, "pruned", **{"checkpoint.keep": 2, "train.max_steps": 7, "checkpoint.every_n_steps": 2})
+    cfg = run_config(tmp_path, "pruned", **{"checkpoint.keep": 2, "train.max_steps": 7,
+                                            "checkpoint.every_n_steps": 2})
     gloo_pool.run(launch, cfg)
     assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*")) == ["checkpoint_00000006", "checkpoint_00000007"]
 
@@ -112,7 +102,7 @@ def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, unin
          "checkpoint.mode": "sharded"},  # full → sharded
     ]
     for sets in legs:
-        cfg = config(tmp_path, "elastic", **{"train.micro_batch_size": 2, "checkpoint.keep": 9, **sets})
+        cfg = run_config(tmp_path, "elastic", **{"train.micro_batch_size": 2, "checkpoint.keep": 9, **sets})
         (gloo_pool4 if sets["scaling.num_workers"] == 4 else gloo_pool).run(launch, cfg)
     # HSDP's two replicas hold the same values: together they wrote each tensor once (weights + 2 AdamW moments)
     hsdp = cfg.run_dir / "checkpoint_00000003"
