@@ -73,7 +73,7 @@ def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
 
 
-def loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
+def micro_batch_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:
     """The micro-batch's summed loss: chunked when `batch` carries `loss_inputs`, else from the full logits."""
     if "loss_positions" in batch:
         return getattr(model, METHOD)(**batch)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from raysft.dataloader import collate
-from raysft.loss import full_logits_loss_sum, install_chunked_loss, loss_inputs, loss_sum
+from raysft.loss import full_logits_loss_sum, install_chunked_loss, loss_inputs, micro_batch_loss_sum
 
 
 class Samples:
@@ -32,7 +32,7 @@ def losses_and_grads(model, batch, chunk_tokens):
     labels = batch.pop("labels")
     if chunk_tokens:
         install_chunked_loss(model, chunk_tokens)
-        loss = loss_sum(model, {**batch, **loss_inputs(labels)})
+        loss = micro_batch_loss_sum(model, {**batch, **loss_inputs(labels)})
     else:
         loss = full_logits_loss_sum(model, batch, labels)
     loss.backward()
@@ -64,7 +64,7 @@ def test_a_micro_batch_without_loss_tokens_still_backpropagates_through_the_mode
     install_chunked_loss(model, 4)
     batch = collate(Samples, np.arange(2), 0)
     labels = torch.full_like(batch.pop("labels"), -100)
-    loss = loss_sum(model, {**batch, **loss_inputs(labels)})
+    loss = micro_batch_loss_sum(model, {**batch, **loss_inputs(labels)})
     loss.backward()
     assert loss.item() == 0 and all(p.grad is not None for p in model.parameters())
 
