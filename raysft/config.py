@@ -96,7 +96,8 @@ class TrainLoopConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this."""
     log_every_n_steps: int = 10
-    """Progress lines in the log; metrics.jsonl gets every step."""
+    """Progress lines in the log, and how often the step metrics are reduced over the workers (a device sync);
+    metrics.jsonl gets every step, written at these steps, checkpoints and reports."""
     report_every_n_steps: int = 0
     """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
 
