@@ -40,7 +40,7 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if query.is_cuda and query.dtype in FLASH_DTYPES:
         from torch.nn.attention.varlen import varlen_attn
 
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (tokens, heads, dim)
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_length_k or max_length_q, scale=scaling,
                           window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
         return out.unsqueeze(0), None
