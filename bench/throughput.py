@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
     measured: dict[str, list[float]] = {v: [] for v in variants}
     padding: dict[str, list[float]] = {v: [] for v in variants}
+    peak_mem: dict[str, list[float]] = {v: [] for v in variants}
     final_loss: dict[str, list[float | None]] = {v: [] for v in variants}
     walls: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             walls[variant].append(time.perf_counter() - start)
             measured[variant].append(tokens_per_s_per_worker(rows, args.warmup, args.workers))
             padding[variant].append(computed_per_real_token(rows, args.warmup))
+            peak_mem[variant] += [max(r["peak_mem_gb"] for r in rows)] if "peak_mem_gb" in rows[0] else []
             final_loss[variant].append(max(rows, key=lambda r: r["step"]).get("loss"))  # None for hf
             print(f"bench: {name}: {measured[variant][-1]:.0f} tokens/s per worker", file=sys.stderr, flush=True)
 
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                 "vs_baseline": statistics.median(measured[v]) / base, "wall_s": walls[v], "final_loss": final_loss[v],
                 "mfu": statistics.median(measured[v]) * fpt / (peak * 1e12) if peak else None,
                 "mfu_vs_measured_matmul": statistics.median(measured[v]) * fpt / (matmul * 1e12) if matmul else None,
-                "computed_per_real_token": statistics.median(padding[v]), **({"profile": profiles[v]}
+                "computed_per_real_token": statistics.median(padding[v]),
+                "peak_mem_gb": max(peak_mem[v]) if peak_mem[v] else None, **({"profile": profiles[v]}
                                                                               if v in profiles else {})}
                for v in variants]
     save_results(args.out, args, results, report(results, args, setup, env, fpt, peak, matmul))
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(results, args, setup, env, fpt, peak, matmul) -> str:
     device = env.get("gpu") or f"{env['cpus']} CPU cores"
+    profiled = any("profile" in r for r in results)
     lines = [f"training throughput: {args.workers} {'GPU' if args.gpu else 'CPU'} worker(s) on {device}; LLaMA of "
              f"{setup.params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab "
              f"{setup.model_config.vocab_size}), {args.mixed_precision}, {args.sharding}; data "
@@ -238,17 +242,18 @@ def report(results, args, setup, env, fpt, peak, matmul) -> str:
              f"{args.steps} of {args.steps}, {args.repeats} runs each, interleaved; {fpt / 1e9:.2f} GFLOP per token",
              "", f"| variant | real tokens/s per worker, median | min-max | vs {results[0]['variant']} | "
              f"MFU{f' (peak {peak:g} TFLOP/s)' if peak else ''} | MFU vs measured matmul"
-             f"{f' ({matmul:.0f} TFLOP/s)' if matmul else ''} | computed / real tokens | wall s per run |"
-             + (" busy (profile) |" if any("profile" in r for r in results) else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if any("profile" in r for r in results) else "")]
+             f"{f' ({matmul:.0f} TFLOP/s)' if matmul else ''} | computed / real tokens | peak memory GiB | "
+             "wall s per run |"
+             + (" busy (profile) |" if profiled else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if profiled else "")]
     for r in results:
         pct = lambda x: f"{100 * x:.1f}%" if x else "-"  # noqa: E731
         lines.append(f"| {r['variant']} | {r['median']:.0f} | {min(r['tokens_per_s_per_worker']):.0f}-"
                      f"{max(r['tokens_per_s_per_worker']):.0f} | {r['vs_baseline']:.3f} | {pct(r['mfu'])} | "
                      f"{pct(r['mfu_vs_measured_matmul'])} | {r['computed_per_real_token']:.2f} | "
+                     f"{r['peak_mem_gb'] if r['peak_mem_gb'] is not None else '-'} | "
                      f"{statistics.median(r['wall_s']):.0f} |"
-                     + (f" {pct(r['profile']['busy_fraction']) if 'profile' in r else '-'} |"
-                        if any("profile" in x for x in results) else ""))
+                     + (f" {pct(r['profile']['busy_fraction']) if 'profile' in r else '-'} |" if profiled else ""))
     return "\n".join(lines)
 
 
