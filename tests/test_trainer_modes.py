@@ -1,7 +1,8 @@
 """The Trainer's batch, loss and kernel modes under plain torch.distributed (two gloo processes, no Ray): padded
-with the full-logits loss (the reference), the chunked loss, packed rows with varlen attention cut to a token
-budget, compiled decoder layers. All train the same samples to the same loss curve within float tolerance, and a
-run stopped and resumed (deterministic kernels on) equals the uninterrupted one bit for bit."""
+with the full-logits loss (the reference), the chunked loss, packed rows with SDPA, packed rows with varlen
+attention cut to a token budget, compiled decoder layers. All train the same samples to the same loss curve
+within float tolerance, and a run stopped and resumed (deterministic kernels on) equals the uninterrupted one bit
+for bit."""
 
 import json
 import os
@@ -27,6 +28,7 @@ PACKED = {"data.packing": True, "model.attn_implementation": "varlen", "train.mi
 VARIANTS = {
     "padded-full-logits": {"train.loss_chunk_tokens": 0},
     "chunked-loss": {"train.loss_chunk_tokens": 16},
+    "packed-sdpa": {"data.packing": True},  # a block-causal mask from the restarting position_ids
     "packed-varlen-budget": {**PACKED, "train.deterministic": True},
     "compiled": {"parallel.compile": True},
 }
@@ -90,7 +92,7 @@ def test_modes_train_alike_and_resume_bit_for_bit(tmp_path):
         torch.testing.assert_close([m["grad_norm"] for m in rows], [m["grad_norm"] for m in ref], rtol=1e-3,
                                    atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     packed = steps(configs["packed-varlen-budget"])
-    assert all(m["computed_tokens"] == m["tokens"] for m in packed)  # no padding at all
+    assert all(m["computed_tokens"] == m["tokens"] for m in packed + steps(configs["packed-sdpa"]))  # no padding
     assert all(m["computed_tokens"] > m["tokens"] for m in ref)  # padded to each micro-batch's longest sample
 
     # stopped at 3 and resumed: the same floats as the uninterrupted run, steps 1..6 each once
