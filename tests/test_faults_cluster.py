@@ -76,7 +76,8 @@ def nodes(cluster):
 
 def config(tmp_path, name, **sets):
     return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": EVERY, "run.name": name,
-                                    "train.log_every_n_steps": 100, "checkpoint.mode": "full",
+                                    # a row in metrics.jsonl at every step: the tests time faults by them
+                                    "train.log_every_n_steps": 1, "checkpoint.mode": "full",
                                     "scaling.max_failures": 2, **sets})
 
 
