@@ -135,11 +135,16 @@ def wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(f"waited {timeout}s for {what}")
 
 
-def train_worker_pids() -> list[int]:
+def train_worker_pids(faults_dir: Path | None) -> list[int]:
+    """Ray train workers: with faults_dir, only those of runs launched from this module's process (its runtime_env
+    puts the faults directory into their environment), the only ones safe to kill when other Ray jobs share the
+    machine; None: any on the machine (to wait for)."""
+    mark = f"{FAULTS_ENV}={faults_dir}".encode()
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker"):
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::RayTrainWorker") and \
+                    (faults_dir is None or mark in (proc / "environ").read_bytes().split(b"\0")):
                 pids.append(int(proc.name))
         except OSError:
             pass
@@ -203,13 +208,13 @@ def test_a_lost_node_resumes_on_a_replacement_with_the_hsdp_mesh_rebuilt(tmp_pat
     assert_same_run(cfg, result, ref)
 
 
-def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference):
+def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference, cluster):
     ref = reference(2)
     nodes()
     cfg = config(tmp_path, "sigkill")
     run = Background(cfg)
     wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
-    os.kill(train_worker_pids()[-1], signal.SIGKILL)
+    os.kill(train_worker_pids(cluster.faults)[-1], signal.SIGKILL)
     fault_time = time.time()
     result = run.join()
     row = recovery(cfg.run_dir, fault_time, "worker killed mid-step", "SIGKILL to one train worker")
@@ -346,7 +351,7 @@ def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
     fault_time = time.time()
-    wait_for(lambda: not train_worker_pids(), 120, "Ray to end the dead driver's workers")
+    wait_for(lambda: not train_worker_pids(None), 120, "Ray to end the dead driver's workers")
     result = raysft.train(cfg)  # the same command again
     row = recovery(cfg.run_dir, fault_time, "driver killed", "SIGKILL to the `raysft train` process; launched again")
     assert 0 <= row["steps_lost"] < EVERY + 2
