@@ -5,7 +5,6 @@ within float tolerance, and a run stopped and resumed (deterministic kernels on)
 for bit."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -78,8 +77,6 @@ def test_modes_train_alike_and_resume_bit_for_bit(tmp_path):
     runs = [(name, cfg.to_dict(), None) for name, cfg in configs.items()]
     runs += [("stopped", stopped.to_dict(), None),
              ("resumed", resumed.to_dict(), str(resumed.run_dir / "checkpoint_00000003"))]
-    env = {"OMP_NUM_THREADS": "1"}
-    os.environ.update(env)
     mp.spawn(_run, args=(2, f"file://{tmp_path / 'pg'}", runs, str(store)), nprocs=2, join=True)
 
     ref = steps(base)
