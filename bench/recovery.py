@@ -47,8 +47,9 @@ def measure(setup: Setup, mode: str, name: str, every: int) -> dict:
     import raysft
     from raysft.metrics import read_metrics
 
+    # log_every_n_steps=1: a metrics row as each step ends (rows wait for a log step), which times the kill
     cfg = setup.config(f"run.name={name}", f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}",
-                       f"train.max_steps={3 * every}", "train.log_every_n_steps=1000", "scaling.max_failures=1",
+                       f"train.max_steps={3 * every}", "train.log_every_n_steps=1", "scaling.max_failures=1",
                        "train.warmup_steps=1")
 
     def steps() -> list[dict]:

@@ -7,10 +7,20 @@ all on the same model, tokenized data and global batch, in one invocation.
         --seq-len 2048 --mixed-precision bf16 --micro-batch 16 --hf-micro-batch 4 --global-batch 64
 
 Variants (--variants, the first is the baseline of the ratios):
-  torchrun       raysft.trainer.Trainer under torchrun, no Ray (bench/torchrun_train.py)
-  raysft         raysft.train(): Ray Train, the same Trainer; batches padded to their longest sample
-  raysft-packed  the same with data.packing (each micro-batch one row, no padding)
-  hf             transformers.Trainer, fsdp="full_shard auto_wrap", padded to --seq-len (bench/hf_trainer.py)
+  torchrun            raysft.trainer.Trainer under torchrun, no Ray (bench/torchrun_train.py)
+  raysft              raysft.train(): Ray Train, the same Trainer; batches padded to their longest sample, the
+                      chunked loss (train.loss_chunk_tokens, the default)
+  raysft-full-logits  the same with the loss from the model's full fp32 logits (train.loss_chunk_tokens=0)
+  raysft-packed       data.packing (each micro-batch one row, no padding), SDPA with a block-causal mask
+  raysft-varlen       data.packing, model.attn_implementation=varlen, micro-batches of --micro-batch-tokens
+  raysft-compiled     raysft-varlen with parallel.compile
+  torchrun-varlen     raysft-varlen's config under torchrun (for --profile, and Ray against torchrun)
+  hf                  transformers.Trainer, fsdp="full_shard auto_wrap", padded to --seq-len (bench/hf_trainer.py)
+
+Every variant reports its padding overhead: the tokens the model computed on over the real ones (1.00: none).
+--profile V1,V2 (or all) runs those variants' configs once more under torchrun with torch.profiler over the
+measured steps and records a summary per variant in the results (the device's busy fraction and the top kernels
+or ops; bench/torchrun_train.py says how each is counted).
 
 Throughput is real (non-padding) tokens per second per worker over the steps after --warmup, from each run's own
 per-step records; each variant runs --repeats times, interleaved in alternating order, and the table shows the
@@ -38,6 +48,12 @@ FASTCHAT = REPO.parent / "shared" / "datasets" / "fastchat" / "dummy_conversatio
 DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
+VARLEN = ["data.packing=true", "model.attn_implementation=varlen", "train.micro_batch_tokens={tokens}"]
+SETS = {"torchrun": [], "raysft": [], "raysft-full-logits": ["train.loss_chunk_tokens=0"],
+        "raysft-packed": ["data.packing=true"], "raysft-varlen": VARLEN, "torchrun-varlen": VARLEN,
+        "raysft-compiled": [*VARLEN, "parallel.compile=true"], "hf": []}
+
+
 def run_raysft(setup: Setup, cfg) -> list[dict]:
     import raysft
     from raysft.metrics import read_metrics
@@ -46,12 +62,13 @@ def run_raysft(setup: Setup, cfg) -> list[dict]:
     return [m for m in read_metrics(cfg.run_dir) if "tokens" in m]
 
 
-def run_torchrun(setup: Setup, cfg) -> list[dict]:
+def run_torchrun(setup: Setup, cfg, profile: Path | None = None) -> list[dict]:
     from raysft.metrics import read_metrics
 
     config_file = setup.work / f"{cfg.run.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
-    torchrun([str(BENCH_DIR / "torchrun_train.py"), str(config_file)], setup.args.workers)
+    extra = ["--profile", str(profile), "--profile-from", str(setup.args.warmup + 1)] if profile else []
+    torchrun([str(BENCH_DIR / "torchrun_train.py"), str(config_file), *extra], setup.args.workers)
     return [m for m in read_metrics(cfg.run_dir) if "tokens" in m]
 
 
@@ -71,7 +88,7 @@ def run_hf(setup: Setup, name: str) -> list[dict]:
     for step_rows in zip(*ranks, strict=True):
         total = sum(r["tokens"] for r in step_rows)
         rows.append({"step": step_rows[0]["step"], "time": max(r["time"] for r in step_rows),
-                     "tokens": total - previous})
+                     "tokens": total - previous, "computed_tokens": a.global_batch * a.seq_len})  # all padded
         previous = total
     return rows
 
@@ -83,6 +100,12 @@ def torchrun(args: list[str], workers: int) -> None:
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
                     *args], env=env, check=True, stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE")
                     else None)
+
+
+def computed_per_real_token(rows: list[dict], warmup: int) -> float:
+    """Tokens computed on (padding included) over real tokens, over the measured steps: 1.00 means no padding."""
+    window = sorted(rows, key=lambda r: r["step"])[warmup:]
+    return sum(r["computed_tokens"] for r in window) / sum(r["tokens"] for r in window)
 
 
 def tokens_per_s_per_worker(rows: list[dict], warmup: int, workers: int) -> float:
@@ -141,30 +164,56 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--attn", default="sdpa", help="model.attn_implementation of the raysft runs")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="0: known GPUs' dense bf16 peak")
+    parser.add_argument("--micro-batch-tokens", type=int, default=0,
+                        help="train.micro_batch_tokens of the varlen variants; 0: --micro-batch × --seq-len")
+    parser.add_argument("--profile", default="", help="variants (comma-separated, or 'all') whose config to profile "
+                        "once more under torchrun with torch.profiler")
     parser.add_argument("--out", default="runs/bench/throughput.json")
     args = parser.parse_args(argv)
 
     setup = Setup(args, "throughput")
     variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(SETS))
+    if unknown:
+        parser.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(SETS)}")
+    tokens = args.micro_batch_tokens or args.micro_batch * args.seq_len
+    # metrics are reduced (the host waits for the device) at the steps where a log line is due: the last warmup
+    # step and the last step, so that the measured window starts and ends when the device has finished
     common = [f"train.global_batch_size={args.global_batch}", f"train.max_steps={args.steps}",
               f"parallel.sharding={args.sharding}", f"parallel.mixed_precision={args.mixed_precision}",
-              f"model.attn_implementation={args.attn}", "train.log_every_n_steps=1000",
+              f"model.attn_implementation={args.attn}", f"train.log_every_n_steps={args.warmup}",
               "checkpoint.every_n_steps=1000", "checkpoint.mode=sharded", "train.warmup_steps=2"]
+
+    def variant_config(name: str, variant: str):
+        return setup.config(*common, name, *(s.format(tokens=tokens) for s in SETS[variant]))
+
     measured: dict[str, list[float]] = {v: [] for v in variants}
+    padding: dict[str, list[float]] = {v: [] for v in variants}
+    peak_mem: dict[str, list[float]] = {v: [] for v in variants}
     final_loss: dict[str, list[float | None]] = {v: [] for v in variants}
     walls: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         for variant in variants if repeat % 2 == args.reverse else variants[::-1]:  # ABC CBA: drift cancels
             name = f"{variant}-{repeat}"
-            cfg = setup.config(*common, f"run.name={name}", f"data.packing={str(variant.endswith('packed')).lower()}")
+            cfg = variant_config(f"run.name={name}", variant)
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
             start = time.perf_counter()
             rows = (run_hf(setup, name) if variant == "hf" else
-                    run_torchrun(setup, cfg) if variant == "torchrun" else run_raysft(setup, cfg))
+                    run_torchrun(setup, cfg) if variant.startswith("torchrun") else run_raysft(setup, cfg))
             walls[variant].append(time.perf_counter() - start)
             measured[variant].append(tokens_per_s_per_worker(rows, args.warmup, args.workers))
+            padding[variant].append(computed_per_real_token(rows, args.warmup))
+            peak_mem[variant] += [max(r["peak_mem_gb"] for r in rows)] if "peak_mem_gb" in rows[0] else []
             final_loss[variant].append(max(rows, key=lambda r: r["step"]).get("loss"))  # None for hf
             print(f"bench: {name}: {measured[variant][-1]:.0f} tokens/s per worker", file=sys.stderr, flush=True)
+
+    profiles = {}
+    for variant in variants:
+        if variant != "hf" and (args.profile == "all" or variant in args.profile.split(",")):
+            cfg = variant_config(f"run.name={variant}-profile", variant)
+            print(f"bench: {variant}-profile ...", file=sys.stderr, flush=True)
+            run_torchrun(setup, cfg, profile=setup.work / f"{variant}-profile.json")
+            profiles[variant] = json.loads((setup.work / f"{variant}-profile.json").read_text())
 
     env = environment()
     peak = args.peak_tflops or next((v for k, v in DENSE_BF16_TFLOPS.items() if k in env.get("gpu", "")), 0.0)
@@ -174,13 +223,17 @@ def main(argv: list[str] | None = None) -> None:
     results = [{"variant": v, "tokens_per_s_per_worker": measured[v], "median": statistics.median(measured[v]),
                 "vs_baseline": statistics.median(measured[v]) / base, "wall_s": walls[v], "final_loss": final_loss[v],
                 "mfu": statistics.median(measured[v]) * fpt / (peak * 1e12) if peak else None,
-                "mfu_vs_measured_matmul": statistics.median(measured[v]) * fpt / (matmul * 1e12) if matmul else None}
+                "mfu_vs_measured_matmul": statistics.median(measured[v]) * fpt / (matmul * 1e12) if matmul else None,
+                "computed_per_real_token": statistics.median(padding[v]),
+                "peak_mem_gb": max(peak_mem[v]) if peak_mem[v] else None, **({"profile": profiles[v]}
+                                                                              if v in profiles else {})}
                for v in variants]
     save_results(args.out, args, results, report(results, args, setup, env, fpt, peak, matmul))
 
 
 def report(results, args, setup, env, fpt, peak, matmul) -> str:
     device = env.get("gpu") or f"{env['cpus']} CPU cores"
+    profiled = any("profile" in r for r in results)
     lines = [f"training throughput: {args.workers} {'GPU' if args.gpu else 'CPU'} worker(s) on {device}; LLaMA of "
              f"{setup.params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab "
              f"{setup.model_config.vocab_size}), {args.mixed_precision}, {args.sharding}; data "
@@ -189,13 +242,18 @@ def report(results, args, setup, env, fpt, peak, matmul) -> str:
              f"{args.steps} of {args.steps}, {args.repeats} runs each, interleaved; {fpt / 1e9:.2f} GFLOP per token",
              "", f"| variant | real tokens/s per worker, median | min-max | vs {results[0]['variant']} | "
              f"MFU{f' (peak {peak:g} TFLOP/s)' if peak else ''} | MFU vs measured matmul"
-             f"{f' ({matmul:.0f} TFLOP/s)' if matmul else ''} | wall s per run |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"{f' ({matmul:.0f} TFLOP/s)' if matmul else ''} | computed / real tokens | peak memory GiB | "
+             "wall s per run |"
+             + (" busy (profile) |" if profiled else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if profiled else "")]
     for r in results:
         pct = lambda x: f"{100 * x:.1f}%" if x else "-"  # noqa: E731
         lines.append(f"| {r['variant']} | {r['median']:.0f} | {min(r['tokens_per_s_per_worker']):.0f}-"
                      f"{max(r['tokens_per_s_per_worker']):.0f} | {r['vs_baseline']:.3f} | {pct(r['mfu'])} | "
-                     f"{pct(r['mfu_vs_measured_matmul'])} | {statistics.median(r['wall_s']):.0f} |")
+                     f"{pct(r['mfu_vs_measured_matmul'])} | {r['computed_per_real_token']:.2f} | "
+                     f"{r['peak_mem_gb'] if r['peak_mem_gb'] is not None else '-'} | "
+                     f"{statistics.median(r['wall_s']):.0f} |"
+                     + (f" {pct(r['profile']['busy_fraction']) if 'profile' in r else '-'} |" if profiled else ""))
     return "\n".join(lines)
 
 

@@ -36,7 +36,9 @@ class ModelConfig:
     tokenizer: str = "builtin:demo"
     """Tokenizer directory; empty means `path`. "builtin:demo" is the byte-level BPE shipped for the demo."""
     attn_implementation: str = "sdpa"
-    """transformers' attention kernel: "sdpa", "eager", "flex_attention", "flash_attention_2" (if installed)."""
+    """transformers' attention kernel: "sdpa", "eager", "flex_attention", "flash_attention_2" (if installed), or
+    "varlen": raysft's padding-free attention for data.packing (flash varlen from torch on CUDA in bf16/fp16;
+    per-sample SDPA elsewhere), with no block-causal mask."""
 
 
 @dataclass
@@ -80,7 +82,17 @@ class TrainLoopConfig:
     global_batch_size: int = 16
     """Samples per optimizer step over all workers; gradient accumulation makes up the difference."""
     micro_batch_size: int = 4
-    """Samples per worker per forward/backward."""
+    """Samples per worker per forward/backward (unless micro_batch_tokens is set)."""
+    micro_batch_tokens: int = 0
+    """With data.packing: cut each worker's share of the global batch into micro-batches of at most this many tokens
+    instead of micro_batch_size samples (at least data.max_seq_len). The same samples per optimizer step and the
+    same loss normalization, so resuming on any worker count holds; 0: micro_batch_size samples."""
+    loss_chunk_tokens: int = 1024
+    """The loss runs the LM head and cross-entropy over this many label tokens at a time (recomputed in backward),
+    never holding the full fp32 logits; 0: the model's full logits (more memory, same loss)."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace, no memory-efficient SDPA), so
+    that a stopped-and-resumed run is bit-identical on GPUs too; slower there."""
     lr: float = 3e-3
     """Peak learning rate of AdamW, reached after warmup_steps, then cosine decay to min_lr_ratio × lr."""
     min_lr_ratio: float = 0.1
@@ -94,7 +106,8 @@ class TrainLoopConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this."""
     log_every_n_steps: int = 10
-    """Progress lines in the log; metrics.jsonl gets every step."""
+    """Progress lines in the log, and how often the step metrics are reduced over the workers (a device sync);
+    metrics.jsonl gets every step, written at these steps, checkpoints and reports."""
     report_every_n_steps: int = 0
     """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
 
@@ -118,6 +131,9 @@ class ParallelConfig:
     """"none", "full", or an integer k: checkpoint every k-th decoder layer (non-reentrant)."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy)."""
+    compile: bool = False
+    """torch.compile each decoder layer (after activation checkpointing, before sharding, as torchtitan does); the
+    first steps, and each new shape, pay the compile time."""
 
 
 @dataclass
@@ -324,13 +340,23 @@ def validate(cfg: TrainConfig) -> None:
     _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
     _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
     _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")
+    _require(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", f"must be >= 0, got {t.micro_batch_tokens}")
+    if t.micro_batch_tokens:
+        _require(d.packing, "train.micro_batch_tokens", "needs data.packing: true (padded batches are cut by samples)")
+        _require(t.micro_batch_tokens >= d.max_seq_len, "train.micro_batch_tokens",
+                 f"{t.micro_batch_tokens} is less than data.max_seq_len={d.max_seq_len}")
+    _require(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
+    _require(cfg.model.attn_implementation != "varlen" or d.packing, "model.attn_implementation",
+             "'varlen' needs data.packing: true (it takes the sample boundaries of packed rows)")
     for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
-        per_step = t.micro_batch_size * workers
+        per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * workers
         _require(
             t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
             "train.global_batch_size",
-            f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
-            f"= {t.micro_batch_size} × {workers} = {per_step}"
+            (f"{t.global_batch_size} must be a positive multiple of the workers ({workers}): with "
+             "train.micro_batch_tokens every worker takes as many samples" if t.micro_batch_tokens else
+             f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
+             f"= {t.micro_batch_size} × {workers} = {per_step}")
             + (f" (scaling.min_workers={s.min_workers}: every worker count up to {s.num_workers} must divide it)"
                if s.min_workers else ""),
         )

@@ -7,6 +7,7 @@ seen. Each optimizer step consumes `global_batch_size` samples; the last partial
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -56,6 +57,14 @@ class TokenizedDataset:
 
     def __len__(self) -> int:
         return int(self._starts[-1])
+
+    @functools.cached_property
+    def num_tokens(self) -> np.ndarray:
+        """Each sample's token count, which cutting micro-batches to a token budget needs for the whole global
+        batch on every rank. Read once, when first asked for, from each file's input_ids list offsets (one file's
+        column in memory at a time)."""
+        return np.concatenate([np.diff(pq.read_table(path, columns=["input_ids"]).column(0).combine_chunks()
+                                       .offsets.to_numpy()) for path, _ in self._files])
 
     def _row(self, column: str, i: int) -> list[int]:
         if not 0 <= i < len(self):
@@ -128,6 +137,56 @@ def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int, mic
     return [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
 
 
+def token_budget_micro_batches(global_batch: np.ndarray, lengths: np.ndarray, rank: int, world_size: int,
+                               budget: int) -> list[np.ndarray]:
+    """This rank's micro-batches of at most `budget` tokens each (a longer sample goes alone), cut as a pure
+    function of the global batch, its samples' lengths and the world size, so every rank computes every rank's cut.
+
+    The samples, longest first, are dealt to the ranks in snake order (0, 1, …, W-1, W-1, …, 0): every rank gets
+    the same number of samples and nearly the same number of tokens. Each rank packs its share first-fit-decreasing
+    into budget-sized bins; then every rank splits its fullest bins until it has as many micro-batches as the rank
+    that needs the most, because FSDP's collectives need the same number of forward/backward passes everywhere.
+    Inside a micro-batch the samples keep their global-batch order. `lengths` holds every sample's token count
+    (`TokenizedDataset.num_tokens`).
+    """
+    lengths = np.asarray(lengths)[global_batch]  # from here on, by position in the global batch
+    order = sorted(range(len(global_batch)), key=lambda i: (-int(lengths[i]), i))
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for k, i in enumerate(order):
+        lap, pos = divmod(k, world_size)
+        shares[pos if lap % 2 == 0 else world_size - 1 - pos].append(i)
+    bins = [_first_fit_decreasing(share, lengths, budget) for share in shares]
+    mine = _split_until(bins[rank], max(len(b) for b in bins), lengths)
+    return [global_batch[sorted(b)] for b in mine]
+
+
+def _first_fit_decreasing(items: list[int], lengths: np.ndarray, budget: int) -> list[list[int]]:
+    """`items` are longest first; each goes into the first bin with room for it, or opens a new one."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in items:
+        n = int(lengths[i])
+        j = next((j for j, r in enumerate(room) if r >= n), None)
+        if j is None:
+            bins.append([i])
+            room.append(budget - n)
+        else:
+            bins[j].append(i)
+            room[j] -= n
+    return bins
+
+
+def _split_until(bins: list[list[int]], count: int, lengths: np.ndarray) -> list[list[int]]:
+    """Split the bin with the most tokens (of those with 2+ samples) in two until there are `count` bins; a rank
+    has as many samples as any other, so it has enough samples for as many bins as any other needs."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        j = max((j for j, b in enumerate(bins) if len(b) > 1), key=lambda j: sum(int(lengths[i]) for i in bins[j]))
+        b = sorted(bins[j], key=lambda i: (-int(lengths[i]), i))
+        bins[j : j + 1] = [b[0::2], b[1::2]]
+    return bins
+
+
 def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int,
             packing: bool = False) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence in this micro-batch (not to max_seq_len); with `packing`, one row of the
@@ -135,13 +194,19 @@ def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int,
 
     Packed, each sample's position_ids restart at 0. transformers reads those restarts as sequence boundaries and
     masks attention across them (there is no attention_mask), and the label of each sample's first token is
-    ignored, so no token learns from the sample before it: the loss is that of the padded batch.
+    ignored, so no token learns from the sample before it: the loss is that of the padded batch. The sample
+    boundaries also come as cumulative lengths (int32) and the longest sample, transformers' flash-attention
+    kwargs, made here on the CPU so that no kernel has to find them on the device (`raysft.attention`).
     """
     rows = [dataset.input_ids[i] for i in indices]
     if packing:
         labels = [[IGNORE_INDEX, *dataset.labels[i][1:]] for i in indices]
+        lengths = [len(r) for r in rows]
+        cu_seq_lens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
         return {"input_ids": torch.tensor([sum(rows, [])]), "labels": torch.tensor([sum(labels, [])]),
-                "position_ids": torch.cat([torch.arange(len(r)) for r in rows])[None]}
+                "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+                "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+                "max_length_q": max(lengths), "max_length_k": max(lengths)}
     longest = max(len(r) for r in rows)
     input_ids = torch.full((len(indices), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(indices), longest), IGNORE_INDEX, dtype=torch.long)
@@ -158,7 +223,15 @@ def sample_lengths(batch: dict[str, torch.Tensor]) -> list[int]:
     mask = batch.get("attention_mask")
     if mask is not None:
         return mask.sum(1).tolist()
-    positions = batch["position_ids"][0]
-    starts = (positions == 0).nonzero().flatten().tolist()
-    return np.diff([*starts, len(positions)]).tolist()
+    return np.diff(batch["cu_seq_lens_q"].numpy()).tolist()
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on the device. On CUDA they go through pinned memory with non-blocking copies: a copy
+    from pageable memory makes the host wait for the GPU to finish the work queued before it (the previous
+    micro-batch's backward), while this way the host goes on to queue the forward and prepare the next batch.
+    Plain ints (the longest sample) stay on the host."""
+    cuda = device.type == "cuda"
+    return {k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
+            if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 

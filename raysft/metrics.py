@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from raysft.storage import Location, scratch_file
 
@@ -51,8 +52,9 @@ class MetricsLogger:
         if self.path:
             self._print(f"raysft: {kind} " + " ".join(f"{k}={v}" for k, v in fields.items()))
 
-    def step(self, step: int, metrics: dict) -> None:
-        now = time.time()
+    def step(self, step: int, metrics: dict, at: float | None = None) -> None:
+        """The record of a step that ended at time `at` (default: now)."""
+        now = time.time() if at is None else at
         self.step_times = [*self.step_times[-ETA_WINDOW:], now]
         eta = None
         if len(self.step_times) > 1:
@@ -77,6 +79,61 @@ class MetricsLogger:
                 self.uploaded_at = time.monotonic()
             except OSError as e:  # a storage hiccup must not stop training; the next upload carries everything
                 self._print(f"raysft: warning: cannot upload {self.remote}: {e}")
+
+
+class StepTotals:
+    """Each step's numbers, held back until a log line, checkpoint or report needs them: the loss and gradient
+    norm stay on the device, token and FLOP counts on the host. Then one all_gather brings every rank's values and
+    one read ends the host's wait for the device. Reading them every step would make the host wait for the device
+    at every step, and the device wait for the host in turn.
+
+    Each returned row holds what metrics.jsonl documents, reduced over the ranks. `tokens_per_s` and `mfu` are
+    those of the steps since the previous reduction, since a step that does not wait for the device has no duration
+    of its own; so is each row's `time` but the last one's, which is when the reduction ended.
+    """
+
+    DEVICE, HOST = ("loss_sum", "grad_norm"), ("tokens", "computed_tokens", "flops", "peak_mem_gb")
+
+    def __init__(self, device: torch.device, peak_tflops: float | None):
+        self.device, self.peak_tflops = device, peak_tflops
+        self.rows: list[tuple[float, dict, torch.Tensor]] = []
+
+    def add(self, step_start: float, on_device: dict[str, torch.Tensor], on_host: dict) -> None:
+        """on_device: DEVICE values as 0-d tensors; on_host: HOST values plus the fields that need no reduction
+        (step, loss_tokens, lr, epoch, ...)."""
+        values = torch.stack([on_device[k].detach().reshape(()).to(torch.float64) for k in self.DEVICE])
+        self.rows.append((step_start, {**on_host, "time": time.time()}, values))
+
+    def reduce(self) -> list[dict]:
+        """Collective, at the same steps on every rank: the rows since the last call, reduced over the ranks."""
+        if not self.rows:
+            return []
+        rows, self.rows = self.rows, []
+        local = torch.cat([torch.stack([v for _, _, v in rows]),
+                           torch.tensor([[h[k] for k in self.HOST] for _, h, _ in rows], dtype=torch.float64,
+                                        device=self.device)], dim=1)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        ranks = torch.stack(gathered).cpu()  # (ranks, steps, values): the one wait for the device
+        end = time.time()
+        sums, maxima = ranks.sum(0).tolist(), ranks.max(0).values.tolist()
+        names = self.DEVICE + self.HOST
+        window_s = end - rows[0][0]
+        tokens = sum(s[names.index("tokens")] for s in sums)
+        flops = sum(s[names.index("flops")] for s in sums)
+        out = []
+        for (_, host, _), total, peak, first_rank in zip(rows, sums, maxima, ranks[0].tolist(), strict=True):
+            get = dict(zip(names, total, strict=True))
+            row = {k: v for k, v in host.items() if k not in self.HOST and k != "loss_tokens"}
+            row.update(loss=get["loss_sum"] / host["loss_tokens"], grad_norm=first_rank[names.index("grad_norm")],
+                       tokens=int(get["tokens"]), computed_tokens=int(get["computed_tokens"]),
+                       tokens_per_s=tokens / window_s,
+                       mfu=(flops / window_s / dist.get_world_size() / (self.peak_tflops * 1e12)
+                            if self.peak_tflops else None),
+                       peak_mem_gb=round(peak[names.index("peak_mem_gb")], 4))
+            out.append(row)
+        out[-1]["time"] = end
+        return out
 
 
 def read_metrics(run_dir: Path | Location) -> list[dict]:

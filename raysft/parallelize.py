@@ -93,7 +93,8 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.Module:
-    """Activation checkpointing, then fully_shard per decoder layer, then the root (embeddings, norm, head)."""
+    """Activation checkpointing, then torch.compile, then fully_shard per decoder layer, then the root (embeddings,
+    norm, head): torchtitan's order."""
     layer_classes = decoder_layer_classes(model)
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if isinstance(child, layer_classes)]
@@ -108,7 +109,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.M
                 parent.register_module(name, wrapped)
                 layers[i] = (parent, name, wrapped)
 
-    # 2. FSDP2: params stored in fp32, compute in the chosen dtype, gradients reduced in reduce_dtype.
+    # 2. torch.compile per decoder layer (in place: the module keeps its class and its state-dict keys). FSDP's
+    #    hooks run outside the compiled graph (Dynamo skips them), so each layer's all-gather stays FSDP's own.
+    if cfg.compile:
+        for _, _, layer in layers:
+            layer.compile()
+
+    # 3. FSDP2: params stored in fp32, compute in the chosen dtype, gradients reduced in reduce_dtype.
     fsdp_kwargs = dict(
         mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.mixed_precision], reduce_dtype=DTYPES[cfg.reduce_dtype]),
@@ -121,7 +128,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.M
         # the last layer's backward comes right after its forward: resharding it would only all-gather it again
         reshard = fsdp_kwargs["reshard_after_forward"] and i < len(layers) - 1
         fully_shard(layer, **{**fsdp_kwargs, "reshard_after_forward": reshard})
-    # 3. The root holds what is left: embeddings, final norm, LM head (kept together so tied weights stay tied).
+    # 4. The root holds what is left: embeddings, final norm, LM head (kept together so tied weights stay tied).
     fully_shard(model, **fsdp_kwargs)
     return model
 

@@ -27,7 +27,7 @@ from raysft.checkpointer import (
 )
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.resume import prepare_launch
-from raysft.trainer import WorkerContext, resume_trainer
+from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,11 +60,11 @@ def init_distributed() -> WorkerContext:
 
 def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
-    store = _prepare_on_rank0(config, ctx.rank, fresh)
+    store = prepare_on_rank0(config, ctx.rank, fresh)
     return train(config, store, ctx)
 
 
-def _prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool) -> Path:
+def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool) -> Path:
     """Collective: rank 0 prepares the store and claims the run; every rank gets the store, or rank 0's error."""
     outcome: list = [None]
     if rank == 0:
@@ -85,6 +85,11 @@ def _prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool) -> Path:
 
 def train(config: TrainConfig, store: Path, ctx: WorkerContext) -> dict:
     """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint."""
+    return run_trainer(config, store, ctx).train()
+
+
+def run_trainer(config: TrainConfig, store: Path, ctx: WorkerContext) -> Trainer:
+    """Collective: the Trainer of this launch, resuming, with the sink for the run's storage."""
     taken = existing_checkpoint_names(config.run_dir, ctx.rank)
     if isinstance(config.run_dir, Path):
         sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken)
@@ -94,7 +99,7 @@ def train(config: TrainConfig, store: Path, ctx: WorkerContext) -> dict:
         scratch = scratch_root(config.run.name, config.run_dir)
         clear_scratch(scratch)
         sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken)
-    return resume_trainer(config, store, ctx, sink).train()
+    return resume_trainer(config, store, ctx, sink)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from)."""
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -14,14 +15,12 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint import TrainingObjects, TrainState, tied_parameter_aliases
 from raysft.checkpointer import Checkpointer, ScratchSink, Sink, find_resume_dir, scratch_root
 from raysft.collectives import any_rank
 from raysft.config import TrainConfig
-from raysft.data import IGNORE_INDEX
 from raysft.dataloader import (
     DataCursor,
     GlobalBatchSampler,
@@ -29,9 +28,13 @@ from raysft.dataloader import (
     collate,
     rank_micro_batches,
     sample_lengths,
+    to_device,
+    token_budget_micro_batches,
 )
+from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
 from raysft.metrics import (
     MetricsLogger,
+    StepTotals,
     matmul_parameters,
     peak_memory_gb,
     peak_tflops,
@@ -41,6 +44,21 @@ from raysft.model import build_meta_model, load_initial_weights, load_model_conf
 from raysft.optim import build_lr_scheduler, build_optimizer
 from raysft.parallelize import build_loss_scaler, build_mesh, gather_node_ranks, mesh_shape, parallelize
 from raysft.tokenizer import load_tokenizer
+
+
+def use_deterministic_kernels(device: torch.device) -> None:
+    """Deterministic kernels only (train.deterministic): the same inputs give the same bits, so a stopped and
+    resumed run equals the uninterrupted one on GPUs too. cuBLAS needs a fixed workspace (read when it starts, so
+    set before the first matmul); the memory-efficient SDPA backward has no deterministic variant, so SDPA uses
+    flash or math; flash attention, varlen included, reads the deterministic flag itself."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+
+
+PREEMPTION_CHECK_S = 1.0  # how often Ray is asked for a preemption notice (a barrier); a notice gives tens of seconds
 
 
 class Reporter(Protocol):
@@ -84,10 +102,14 @@ class Trainer:
         self.deadline: float | None = None  # of an announced preemption
         self.last_chance_taken = False
         self.save_s = 0.0  # how long the preemption checkpoint took, to time the last one
+        self.next_preemption_check = 0  # the step after which Ray is asked next (the first one, and then see below)
+        self.checked_at = (0, time.perf_counter())  # (step, time) of the last check
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
         self.mesh = build_mesh(mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device)),
                                ctx.device.type)
+        if t.deterministic:
+            use_deterministic_kernels(ctx.device)
         torch.manual_seed(t.seed + ctx.rank)  # each rank's own stream (dropout); checkpoints carry it on
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
         self.hf_config = load_model_config(cfg.model, self.tokenizer)
@@ -99,12 +121,15 @@ class Trainer:
         self.peak_tflops = peak_tflops(ctx.device, cfg.parallel.mixed_precision)
         parallelize(self.model, self.mesh, cfg.parallel)
         materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
+        if t.loss_chunk_tokens:
+            install_chunked_loss(self.model, t.loss_chunk_tokens)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.scaler = build_loss_scaler(cfg.parallel, ctx.device)
         self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
                                     self.tokenizer, self.aliases)
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
+        self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank)
         if resume_dir is not None:
             self.state = self.checkpointer.load(resume_dir)
@@ -121,49 +146,51 @@ class Trainer:
         self.model.train()
         metrics: dict = {}
         stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
+        self.checked_at = (self.state.step, time.perf_counter())
         while self.state.step < stop:
             step_start = time.perf_counter()
-            metrics = self.train_step()
-            self.log.step(self.state.step, metrics)
+            self.train_step(reduce_metrics=False)
+            step = self.state.step
             preempted = self._preemption_save_due(time.perf_counter() - step_start)
-            if self.checkpointer.due(self.state.step, stop) or preempted:
+            save = self.checkpointer.due(step, stop) or preempted
+            report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
+            if save or report or step % t.log_every_n_steps == 0:  # the same steps on every rank: collective
+                metrics = self.reduce_metrics()
+            if save:
                 save_start = time.perf_counter()
                 self.checkpointer.save(self.state, metrics)
                 if preempted:
-                    self.checkpointer.finish(self.state.step)  # durable and reported before the node goes
+                    self.checkpointer.finish(step)  # durable and reported before the node goes
                     self.save_s = time.perf_counter() - save_start
-            elif t.report_every_n_steps and self.state.step % t.report_every_n_steps == 0:
-                self.sink.report({**metrics, "step": self.state.step}, self.state.step)
-            self.checkpointer.poll(self.state.step)
+            elif report:
+                self.sink.report({**metrics, "step": step}, step)
+            self.checkpointer.poll(step)
         self.checkpointer.finish(self.state.step)
         if self.state.step < t.max_steps:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
         return {**metrics, "step": self.state.step}
 
-    def train_step(self) -> dict:
-        """One optimizer step over one global batch: forward/backward per micro-batch, clip, step."""
+    def train_step(self, reduce_metrics: bool = True) -> dict:
+        """One optimizer step over one global batch: forward/backward per micro-batch, clip, step. Nothing in it
+        waits for the device; its metrics are kept until `reduce_metrics` (now, by default)."""
         t, ctx = self.cfg.train, self.ctx
-        start = time.perf_counter()
+        start = time.time()
         global_batch = self.sampler.next_batch()
         # Normalize by the assistant tokens of the whole global batch, so the gradient is the same for any
         # split into workers and micro-batches (FSDP averages gradients over workers: hence × world size).
         loss_tokens = max(1, int(self.dataset.num_loss_tokens[global_batch].sum()))
-        micro_batches = rank_micro_batches(global_batch, ctx.rank, ctx.world_size, t.micro_batch_size)
         loss_sum = torch.zeros((), device=ctx.device)
         lengths: list[int] = []
-        for i, indices in enumerate(micro_batches):
-            batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
-            lengths += sample_lengths(batch)
-            batch = {k: v.to(ctx.device) for k, v in batch.items()}
-            labels = batch.pop("labels")
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce once per optimizer step
-            logits = self.model(**batch, use_cache=False).logits  # no KV cache in training; the export keeps it
-            ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
+        computed = 0
+        for batch, sizes, last in self._micro_batches(global_batch):
+            lengths += sizes
+            computed += batch["input_ids"].numel()
+            self.model.set_requires_gradient_sync(last)  # reduce once per optimizer step
+            ce = micro_batch_loss_sum(self.model, batch)
             self.scaler.scale(ce * ctx.world_size / loss_tokens).backward()
             loss_sum += ce.detach()
-        loss_scale = self.scaler.get_scale()
+        loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         with warnings.catch_warnings():  # the scaler's found-inf flag meets DTensor grads: harmless notice
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
             self.scaler.unscale_(self.optimizer)  # true gradients before clipping (a no-op unless fp16)
@@ -178,27 +205,51 @@ class Trainer:
         self.state.step += 1
 
         c = self.hf_config
-        flops = training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)
-        totals = torch.cat([loss_sum.reshape(1), torch.tensor([sum(lengths), flops], device=ctx.device)])
-        dist.all_reduce(totals)
-        elapsed = time.perf_counter() - start
-        peak_mem = torch.tensor(peak_memory_gb(ctx.device), device=ctx.device)
-        dist.all_reduce(peak_mem, op=dist.ReduceOp.MAX)
-        metrics = {"loss": totals[0].item() / loss_tokens, "lr": lr, "grad_norm": grad_norm.item(),
-                   "tokens": int(totals[1].item()), "tokens_per_s": totals[1].item() / elapsed,
-                   "mfu": (totals[2].item() / elapsed / ctx.world_size / (self.peak_tflops * 1e12)
-                           if self.peak_tflops else None),
-                   "epoch": self.state.cursor.epoch, "peak_mem_gb": round(peak_mem.item(), 4)}
-        if self.scaler.is_enabled():
-            metrics.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)
-        return metrics
+        host = {"step": self.state.step, "loss_tokens": loss_tokens, "lr": lr, "epoch": self.state.cursor.epoch,
+                "tokens": sum(lengths), "computed_tokens": computed, "peak_mem_gb": peak_memory_gb(ctx.device),
+                "flops": training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)}
+        if loss_scale is not None:  # fp16: the scaler has read its overflow flag on the host already
+            host.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)
+        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host)
+        return self.reduce_metrics() if reduce_metrics else {}
+
+    def _micro_batches(self, global_batch):
+        """This rank's micro-batches on the device, each with its samples' lengths and whether it is the last.
+        Each is collated (and, on CUDA, pinned and copied without blocking) while the device still runs the
+        previous one's backward."""
+        t, ctx = self.cfg.train, self.ctx
+        if t.micro_batch_tokens:
+            parts = token_budget_micro_batches(global_batch, self.dataset.num_tokens, ctx.rank, ctx.world_size,
+                                               t.micro_batch_tokens)
+        else:
+            parts = rank_micro_batches(global_batch, ctx.rank, ctx.world_size, t.micro_batch_size)
+        for i, indices in enumerate(parts):
+            batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
+            sizes = sample_lengths(batch)
+            if t.loss_chunk_tokens:
+                batch.update(loss_inputs(batch.pop("labels")))
+            yield to_device(batch, ctx.device), sizes, i == len(parts) - 1
+
+    def reduce_metrics(self) -> dict:
+        """Collective: log the steps since the last call (see StepTotals) and return the newest one's metrics."""
+        rows = self.totals.reduce()
+        for row in rows:
+            self.log.step(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")}, at=row["time"])
+        return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}
 
     def _preemption_save_due(self, step_s: float) -> bool:
         """Collective: whether to checkpoint now because Ray has just announced that a node of this run will be
         drained, or because that deadline is nearer than two more steps and a save. Training goes on after each;
-        when the node goes, Ray restarts the workers elsewhere from the latest."""
+        when the node goes, Ray restarts the workers elsewhere from the latest.
+
+        Asking Ray is a barrier, so until a notice comes it is asked about every PREEMPTION_CHECK_S seconds, not
+        every step: at each check rank 0 turns its measured step time into the number of steps to the next check
+        and broadcasts it, so that every rank asks at the same step whatever its own clock says."""
         if self.deadline is None:
+            if self.state.step < self.next_preemption_check:
+                return False
             self.deadline = self.preemption_deadline()
+            self._schedule_preemption_check()
             if self.deadline is not None:
                 self.log.event("preemption_notice", step=self.state.step, seconds_left=self._seconds_left())
             return self.deadline is not None
@@ -209,6 +260,13 @@ class Trainer:
         self.last_chance_taken = True
         self.log.event("preemption_last_checkpoint", step=self.state.step, seconds_left=self._seconds_left())
         return True
+
+    def _schedule_preemption_check(self) -> None:
+        now, step = time.perf_counter(), self.state.step
+        steps_s = (now - self.checked_at[1]) / max(1, step - self.checked_at[0])
+        every = torch.tensor([max(1, min(1000, int(PREEMPTION_CHECK_S / max(steps_s, 1e-6))))], device=self.ctx.device)
+        dist.broadcast(every, src=0)
+        self.next_preemption_check, self.checked_at = step + int(every.item()), (step, now)
 
     def _seconds_left(self) -> float | None:
         return None if math.isinf(self.deadline) else round(self.deadline - time.time(), 1)

@@ -119,10 +119,10 @@ def _patch_checkpoint(module) -> None:
 def _patch_trainer(module) -> None:
     train_step = module.Trainer.train_step
 
-    def slow_train_step(self):
+    def slow_train_step(self, *args, **kwargs):
         slow = _take("slow_steps", once=False)
         if slow:
             time.sleep(slow["seconds"])
-        return train_step(self)
+        return train_step(self, *args, **kwargs)
 
     module.Trainer.train_step = slow_train_step

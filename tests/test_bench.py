@@ -31,13 +31,19 @@ def bench(tmp_path):
 
 
 def test_throughput_runs_every_variant_and_ray_trains_exactly_like_torchrun(bench):
-    # raysft-packed is left out: test_train_ray checks packed against padded training
-    results = bench("throughput", "--variants", "torchrun,raysft,hf", "--global-batch", "8", "--steps", "3",
-                    "--warmup", "1", "--repeats", "1")
+    # the other raysft variants are left out: tests/test_trainer_modes.py checks them against padded training
+    results = bench("throughput", "--variants", "torchrun,raysft,torchrun-varlen,hf", "--global-batch", "8",
+                    "--steps", "3", "--warmup", "1", "--repeats", "1", "--profile", "torchrun-varlen")
     by = {r["variant"]: r for r in results}
-    assert list(by) == ["torchrun", "raysft", "hf"]
+    assert list(by) == ["torchrun", "raysft", "torchrun-varlen", "hf"]
     assert all(r["median"] > 0 and r["vs_baseline"] > 0 for r in results)
     assert by["raysft"]["final_loss"] == by["torchrun"]["final_loss"]  # same Trainer, same collectives (gloo)
+    assert by["torchrun-varlen"]["final_loss"] == pytest.approx(by["torchrun"]["final_loss"], rel=1e-4)
+    # padding: none when packed, some when padded to each micro-batch's longest sample, most when padded to 128
+    assert by["torchrun-varlen"]["computed_per_real_token"] == 1.0
+    assert 1.0 < by["torchrun"]["computed_per_real_token"] < by["hf"]["computed_per_real_token"]
+    profile = by["torchrun-varlen"]["profile"]
+    assert 0 < profile["busy_fraction"] <= 1 and profile["top"][0]["self_ms"] > 0 and "profile" not in by["raysft"]
 
 
 def test_checkpoint_measures_every_mode(bench):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from raysft.dataloader import DataCursor, GlobalBatchSampler, rank_micro_batches
+from raysft.dataloader import DataCursor, GlobalBatchSampler, rank_micro_batches, token_budget_micro_batches
 
 
 def batches(sampler, n):
@@ -32,6 +32,36 @@ def test_ranks_partition_the_global_batch_into_micro_batches():
     parts = [rank_micro_batches(global_batch, r, 2, 4) for r in range(2)]
     assert all(len(p) == 2 and all(len(m) == 4 for m in p) for p in parts)
     assert sorted(np.concatenate([m for p in parts for m in p]).tolist()) == list(range(16))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_token_budget_micro_batches_are_a_function_of_the_global_batch(world_size):
+    """Every sample of the global batch once, each micro-batch within the budget (or one sample over it), the
+    same number of micro-batches on every rank, equal samples per rank, and the same cut whenever asked."""
+    rng = np.random.default_rng(world_size)
+    lengths = rng.integers(5, 200, 1000)
+    lengths[7] = 300  # longer than the budget: alone in its micro-batch
+    global_batch = rng.permutation(1000)[:48]
+    global_batch[0] = 7
+    def cut():
+        return [token_budget_micro_batches(global_batch.copy(), lengths, r, world_size, 256) for r in range(world_size)]
+
+    parts = cut()
+    assert [[m.tolist() for m in p] for p in parts] == [[m.tolist() for m in p] for p in cut()]
+    assert sorted(np.concatenate([m for p in parts for m in p]).tolist()) == sorted(global_batch.tolist())
+    assert len({len(p) for p in parts}) == 1 and len({sum(map(len, p)) for p in parts}) == 1
+    for m in (m for p in parts for m in p):
+        assert lengths[m].sum() <= 256 or len(m) == 1
+        assert [int(np.flatnonzero(global_batch == i)[0]) for i in m] == \
+            sorted(int(np.flatnonzero(global_batch == i)[0]) for i in m)  # global-batch order inside
+    tokens = [sum(int(lengths[m].sum()) for m in p) for p in parts]
+    assert max(tokens) - min(tokens) <= 200  # snake dealing of the longest first: nearly equal tokens per rank
+
+
+def test_token_budget_packs_near_the_budget():
+    lengths = np.random.default_rng(0).integers(20, 120, 64)
+    [mine] = [token_budget_micro_batches(np.arange(64), lengths, 0, 1, 1024)]
+    assert len(mine) <= int(np.ceil(lengths.sum() / 1024)) + 1  # first-fit decreasing fills the bins
 
 
 def test_too_little_data_is_an_error():
@@ -65,6 +95,7 @@ def test_a_packed_micro_batch_has_the_loss_of_the_padded_one_and_no_attention_ac
     padded, packed = collate(Samples, np.arange(4), 0), collate(Samples, np.arange(4), 0, packing=True)
     assert packed["input_ids"].shape == (1, 31) and "attention_mask" not in packed
     assert packed["position_ids"][0, 7:9].tolist() == [0, 1]  # the second sample starts over
+    assert packed["cu_seq_lens_q"].tolist() == [0, 7, 19, 22, 31] and packed["max_length_q"] == 12
     assert sum(sample_lengths(padded)) == sum(sample_lengths(packed)) == 31
     leaky = {**packed, "position_ids": torch.arange(31)[None]}  # as if the samples were one sequence
     with torch.no_grad():
@@ -121,10 +152,13 @@ def test_lazy_reading_gives_the_samples_of_the_whole_table_in_any_order(tmp_path
         assert [ds.labels[i] for i in order] == [Reference.labels[i] for i in order]
         assert list(ds.input_ids) == Reference.input_ids and ds.labels[-1] == Reference.labels[-1]
         np.testing.assert_array_equal(ds.num_loss_tokens, table["num_loss_tokens"].to_numpy())
+        np.testing.assert_array_equal(ds.num_tokens, lengths)
         for packing in (False, True):
             for batch in np.array_split(order, 50):
                 got, want = collate(ds, batch, 0, packing), collate(Reference, batch, 0, packing)
-                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+                assert got.keys() == want.keys()
+                assert all(torch.equal(got[k], want[k]) if isinstance(got[k], torch.Tensor) else got[k] == want[k]
+                           for k in got)
         with pytest.raises(IndexError):
             ds.input_ids[1000]
 

@@ -75,7 +75,8 @@ def nodes(cluster):
 
 def config(tmp_path, name, **sets):
     return tiny_config(tmp_path, **{"train.max_steps": STEPS, "checkpoint.every_n_steps": EVERY, "run.name": name,
-                                    "train.log_every_n_steps": 100, "checkpoint.mode": "full",
+                                    # a row in metrics.jsonl at every step: the tests time faults by them
+                                    "train.log_every_n_steps": 1, "checkpoint.mode": "full",
                                     "scaling.max_failures": 2, **sets})
 
 
@@ -205,7 +206,7 @@ def test_a_lost_node_resumes_on_a_replacement_with_the_hsdp_mesh_rebuilt(tmp_pat
     assert_same_run(cfg, result, ref)
 
 
-def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference):
+def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference, cluster):
     ref = reference(2)
     nodes()
     cfg = config(tmp_path, "sigkill")

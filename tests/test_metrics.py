@@ -4,6 +4,7 @@ real terminal)."""
 import io
 import json
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -63,3 +64,32 @@ def test_progress_bar_follows_this_launchs_rows_only(tmp_path):
         f.write(json.dumps({"step": 2, "time": 1, **ROW, "eta_s": 30}) + "\n" + '{"step": 3, "ti')  # torn last line
     bar.poll()
     assert out.getvalue() == "\r\033[K" + "██████" + "·" * 18 + "  25% " + progress_line(2, 8, ROW, 30)
+
+
+def test_step_totals_wait_for_the_device_once_per_reduction(tmp_path):
+    """Three steps held back, then one reduction (a gloo group of one): each row's loss is its own, throughput is
+    that of the window since the first step began, and the last row's time is when the reduction ended."""
+    import time
+
+    import torch.distributed as dist
+
+    from raysft.metrics import StepTotals
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        totals = StepTotals(torch.device("cpu"), peak_tflops=None)
+        start = time.time() - 2.0
+        for step in (1, 2, 3):
+            totals.add(start, {"loss_sum": torch.tensor(6.0 * step), "grad_norm": torch.tensor(0.5)},
+                       {"step": step, "loss_tokens": 3, "lr": 1e-3, "epoch": 0, "tokens": 100, "computed_tokens": 120,
+                        "flops": 1e9, "peak_mem_gb": 0.25 * step})
+        rows = totals.reduce()
+        assert totals.reduce() == []  # nothing held back any more
+    finally:
+        dist.destroy_process_group()
+    assert [r["loss"] for r in rows] == [2.0, 4.0, 6.0] and [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["tokens"] == 100 and r["computed_tokens"] == 120 and r["grad_norm"] == 0.5 for r in rows)
+    assert [r["peak_mem_gb"] for r in rows] == [0.25, 0.5, 0.75] and rows[0]["mfu"] is None
+    window = rows[-1]["time"] - start
+    assert rows[0]["tokens_per_s"] == rows[-1]["tokens_per_s"] == pytest.approx(300 / window, rel=1e-3)
+    assert rows[-1]["time"] >= rows[1]["time"] >= rows[0]["time"]

@@ -1,0 +1,60 @@
+"""Padding-free attention over packed rows: `model.attn_implementation: varlen`.
+
+A packed micro-batch is one row of samples back to back. With SDPA, transformers keeps attention inside each sample
+through a block-causal mask that it builds from the restarting position_ids, and a masked SDPA cannot use the flash
+kernel. Here the sample boundaries come as cumulative lengths (`cu_seq_lens_q/k`, transformers' flash-attention
+kwargs, built on the CPU by `raysft.dataloader.collate`), and attention runs per sample:
+
+- on CUDA in bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash varlen, part of torch; no mask at all);
+- elsewhere (CPU, or fp32 on CUDA, which flash does not take), causal SDPA over each sample's slice of the row:
+  the same result as a padded batch, used as the reference on CPU.
+
+transformers builds no mask for an attention name it has no mask function for, so the model passes
+`attention_mask=None` here and never looks for packed sequences in the position_ids (which costs a device sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+
+VARLEN = "varlen"
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                             max_length_q: int | None = None, max_length_k: int | None = None,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (1, heads, tokens, dim), key/value (1, kv heads, tokens,
+    dim); returns (1, tokens, heads, dim). Causal inside each sample of the packed row, nothing across samples."""
+    if cu_seq_lens_q is None or query.shape[0] != 1:
+        raise ValueError(f"attention '{VARLEN}' needs packed batches with cumulative sample lengths "
+                         "(data.packing: true); got none")
+    if dropout:
+        raise ValueError(f"attention '{VARLEN}' has no dropout (the model asks for {dropout})")
+    cu_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
+    if query.is_cuda and query.dtype in FLASH_DTYPES:
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (tokens, heads, dim)
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_length_k or max_length_q, scale=scaling,
+                          window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+        return out.unsqueeze(0), None
+    return per_sample_sdpa(query, key, value, cu_seq_lens_q, scaling), None
+
+
+def per_sample_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                    scaling: float | None) -> torch.Tensor:
+    """The reference: causal SDPA on each sample's slice of the row (reads the boundaries on the host)."""
+    bounds = cu_seq_lens.tolist()
+    parts = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                            scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+             for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+AttentionInterface.register(VARLEN, varlen_attention_forward)

@@ -1,0 +1,51 @@
+"""What only a CUDA device can show; skipped without one (docs/BENCHMARKS.md has the commands to run on a GPU):
+flash varlen attention against the per-sample SDPA reference, and deterministic kernels repeating a step bit for
+bit (the memory-efficient SDPA backward would not)."""
+
+import numpy as np
+import pytest
+import torch
+from test_loss import Samples
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from raysft.attention import per_sample_sdpa, varlen_attention_forward
+from raysft.dataloader import collate, to_device
+from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
+from raysft.trainer import use_deterministic_kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_flash_varlen_equals_the_per_sample_reference_in_bf16():
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 7, 19, 22, 31], dtype=torch.int32, device="cuda")
+    q = torch.randn(1, 8, 31, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 31, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    flash, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.125, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                        max_length_q=12, max_length_k=12)
+    reference = per_sample_sdpa(q, k, v, cu, 0.125)
+    torch.testing.assert_close(flash, reference, atol=2e-2, rtol=2e-2)
+    grads = [torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in (flash, reference)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_deterministic_kernels_repeat_a_step_bit_for_bit():
+    use_deterministic_kernels(torch.device("cuda"))
+    try:
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="varlen", dtype=torch.bfloat16).cuda()
+        install_chunked_loss(model, 8)
+        batch = collate(Samples, np.arange(4), 0, packing=True)
+        batch = to_device({**batch, **loss_inputs(batch.pop("labels"))}, torch.device("cuda"))
+        runs = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = micro_batch_loss_sum(model, batch)
+            loss.backward()
+            runs.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    finally:
+        torch.use_deterministic_algorithms(False)

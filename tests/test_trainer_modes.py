@@ -1,0 +1,149 @@
+"""The Trainer's batch, loss and kernel modes under plain torch.distributed (two gloo processes, no Ray): padded
+with the full-logits loss (the reference), the chunked loss, packed rows with SDPA, packed rows with varlen
+attention cut to a token budget, compiled decoder layers. All train the same samples to the same loss curve
+within float tolerance, and a run stopped and resumed (deterministic kernels on) equals the uninterrupted one bit
+for bit."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+from raysft.config import TrainConfig
+from raysft.data import prepare_store
+from raysft.metrics import read_metrics
+from raysft.tokenizer import load_tokenizer
+
+STEPS = 6
+BASE = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.mode": "full",
+        "train.log_every_n_steps": 2, "train.global_batch_size": 8, "train.micro_batch_size": 2}
+PACKED = {"data.packing": True, "model.attn_implementation": "varlen", "train.micro_batch_tokens": 192}
+VARIANTS = {
+    "padded-full-logits": {"train.loss_chunk_tokens": 0},
+    "chunked-loss": {"train.loss_chunk_tokens": 16},
+    "packed-sdpa": {"data.packing": True},  # a block-causal mask from the restarting position_ids
+    "packed-varlen-budget": {**PACKED, "train.deterministic": True},
+    "compiled": {"parallel.compile": True},
+}
+
+
+def _run(rank: int, world_size: int, init: str, runs: list[tuple[str, dict, str | None]], store: str) -> None:
+    from raysft.trainer import Trainer, WorkerContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    try:
+        for _, cfg_dict, resume in runs:
+            cfg = TrainConfig.from_dict(cfg_dict)
+
+            def merge_like_ray(metrics, checkpoint_dir, step, cfg=cfg):  # every rank's part into one directory
+                if checkpoint_dir is not None:
+                    shutil.copytree(checkpoint_dir, cfg.run_dir / f"checkpoint_{step:08d}", dirs_exist_ok=True)
+
+            trainer = Trainer(cfg, Path(store), Path(resume) if resume else None, merge_like_ray,
+                              WorkerContext(rank, world_size, torch.device("cpu")))
+            if cfg.parallel.compile:
+                from torch._dynamo.utils import counters
+
+                graphs = counters["stats"]["unique_graphs"]
+                trainer.train()
+                layers = trainer.model.model.layers
+                assert all(layer._compiled_call_impl is not None for layer in layers)
+                assert counters["stats"]["unique_graphs"] > graphs  # Dynamo did compile the layers' code
+            else:
+                trainer.train()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def steps(cfg: TrainConfig) -> list[dict]:
+    return [m for m in read_metrics(cfg.run_dir) if "loss" in m]
+
+
+def test_modes_train_alike_and_resume_bit_for_bit(tmp_path):
+    configs = {name: tiny_config(tmp_path, **{**BASE, **sets, "run.name": name}) for name, sets in VARIANTS.items()}
+    stopped = tiny_config(tmp_path, **{**BASE, **VARIANTS["packed-varlen-budget"], "run.name": "resumed",
+                                       "train.stop_at_step": 3})
+    resumed = tiny_config(tmp_path, **{**BASE, **VARIANTS["packed-varlen-budget"], "run.name": "resumed"})
+    base = configs["padded-full-logits"]
+    store = prepare_store(base.data, load_tokenizer(base.model, base.data.chat_template), base.store_dir).path
+    runs = [(name, cfg.to_dict(), None) for name, cfg in configs.items()]
+    runs += [("stopped", stopped.to_dict(), None),
+             ("resumed", resumed.to_dict(), str(resumed.run_dir / "checkpoint_00000003"))]
+    mp.spawn(_run, args=(2, f"file://{tmp_path / 'pg'}", runs, str(store)), nprocs=2, join=True)
+
+    ref = steps(base)
+    assert [m["step"] for m in ref] == list(range(1, STEPS + 1))
+    for name, cfg in configs.items():
+        rows = steps(cfg)
+        assert [m["tokens"] for m in rows] == [m["tokens"] for m in ref], name  # the same samples every step
+        torch.testing.assert_close([m["loss"] for m in rows], [m["loss"] for m in ref], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close([m["grad_norm"] for m in rows], [m["grad_norm"] for m in ref], rtol=1e-3,
+                                   atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    packed = steps(configs["packed-varlen-budget"])
+    assert all(m["computed_tokens"] == m["tokens"] for m in packed + steps(configs["packed-sdpa"]))  # no padding
+    assert all(m["computed_tokens"] > m["tokens"] for m in ref)  # padded to each micro-batch's longest sample
+
+    # stopped at 3 and resumed: the same floats as the uninterrupted run, steps 1..6 each once
+    rows = [(m["step"], m["loss"], m["grad_norm"]) for m in steps(resumed)]
+    assert rows == [(m["step"], m["loss"], m["grad_norm"]) for m in packed]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a = load_file(resumed.run_dir / "checkpoint_00000006" / name)
+        b = load_file(configs["packed-varlen-budget"].run_dir / "checkpoint_00000006" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    state = json.loads((resumed.run_dir / "checkpoint_00000006" / "trainer_state.json").read_text())
+    assert state["step"] == STEPS
+
+
+@pytest.mark.parametrize("sets, key", [
+    ({"train.micro_batch_tokens": 256}, "train.micro_batch_tokens"),  # without packing
+    ({"data.packing": True, "train.micro_batch_tokens": 64}, "train.micro_batch_tokens"),  # < max_seq_len (96)
+    ({"model.attn_implementation": "varlen"}, "model.attn_implementation"),
+    ({"data.packing": True, "train.micro_batch_tokens": 128, "train.global_batch_size": 3},
+     "train.global_batch_size"),
+])
+def test_token_budget_and_varlen_config_errors(tmp_path, sets, key):
+    from raysft.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        tiny_config(tmp_path, **sets)
+
+
+def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agrees_on(tmp_path, monkeypatch):
+    """Steps of 0.25 s: Ray is asked at step 1, then every 4 steps (rank 0's measure, broadcast), and a notice
+    is acted on at the step it is heard."""
+    import time
+    from types import SimpleNamespace
+
+    import raysft.trainer
+    from raysft.trainer import PREEMPTION_CHECK_S, Trainer, WorkerContext
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(raysft.trainer, "time", SimpleNamespace(perf_counter=lambda: clock.now, time=time.time))
+    asked = []
+    trainer = Trainer.__new__(Trainer)  # only the preemption state: no model or data
+    trainer.ctx, trainer.state = WorkerContext(0, 1, torch.device("cpu")), SimpleNamespace(step=0)
+    trainer.log = SimpleNamespace(event=lambda *a, **k: None)
+    trainer.preemption_deadline = lambda: asked.append(trainer.state.step) or (
+        time.time() + 600 if trainer.state.step >= 9 else None)
+    trainer.deadline, trainer.last_chance_taken, trainer.save_s = None, False, 0.0
+    trainer.next_preemption_check, trainer.checked_at = 0, (0, 0.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        due = []
+        for step in range(1, 12):
+            clock.now, trainer.state.step = 0.25 * step, step
+            due.append(trainer._preemption_save_due(0.25))
+    finally:
+        dist.destroy_process_group()
+    every = int(PREEMPTION_CHECK_S / 0.25)
+    assert asked == [1, 1 + every, 1 + 2 * every] == [1, 5, 9]
+    assert due == [step == 9 for step in range(1, 12)]  # the notice: checkpoint now
