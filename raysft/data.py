@@ -302,6 +302,7 @@ class Samples:
             "input_ids": pa.array(c["input_ids"], type=pa.list_(pa.int32())),
             "labels": pa.array(c["labels"], type=pa.list_(pa.int32())),
             "num_loss_tokens": pa.array(c["num_loss_tokens"], type=pa.int32()),
+            "num_tokens": pa.array([len(ids) for ids in c["input_ids"]], type=pa.int32()),
             "source": pa.array(c["source"], type=pa.string()),
             "record": pa.array(c["record"], type=pa.int64()),
         }), path)

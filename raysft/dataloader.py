@@ -61,10 +61,9 @@ class TokenizedDataset:
     @functools.cached_property
     def num_tokens(self) -> np.ndarray:
         """Each sample's token count, which cutting micro-batches to a token budget needs for the whole global
-        batch on every rank. Read once, when first asked for, from each file's input_ids list offsets (one file's
-        column in memory at a time)."""
-        return np.concatenate([np.diff(pq.read_table(path, columns=["input_ids"]).column(0).combine_chunks()
-                                       .offsets.to_numpy()) for path, _ in self._files])
+        batch on every rank: the store's num_tokens column, read once when first asked for."""
+        return np.concatenate([pq.read_table(path, columns=["num_tokens"]).column(0).to_numpy()
+                               for path, _ in self._files])
 
     def _row(self, column: str, i: int) -> list[int]:
         if not 0 <= i < len(self):

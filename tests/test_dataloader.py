@@ -122,6 +122,7 @@ def synthetic_store(store, lengths, files: int = 1, seed: int = 0):
     table = pa.table({"input_ids": pa.ListArray.from_arrays(offsets, ids),
                       "labels": pa.ListArray.from_arrays(offsets, labels),
                       "num_loss_tokens": pa.array((lengths - lengths // 2 - 1).astype(np.int32)),
+                      "num_tokens": pa.array(np.asarray(lengths, dtype=np.int32)),
                       "source": pa.array(["synthetic"] * len(lengths)),
                       "record": pa.array(np.arange(len(lengths)))})
     store.mkdir(parents=True)
