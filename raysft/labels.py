@@ -257,6 +257,14 @@ def _as_template_wants(messages: list[dict], profile: TemplateProfile, name: str
     return out
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens generation stops at: those that end an assistant turn in the training template (learnt by the
+    probe: `<|im_end|>`, `<|eot_id|>`, ...) and EOS. An export writes them into generation_config.json."""
+    tokens = sorted(template_profile(tokenizer).end_of_turn) if tokenizer.chat_template else []
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens] + [tokenizer.eos_token_id]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id))
+
+
 # --- what a template writes around assistant turns, learnt from probes -----------------------------------------
 
 

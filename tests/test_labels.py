@@ -259,3 +259,12 @@ def test_store_manifest_says_how_labels_were_found(tmp_path):
     assert last.path != every.path  # other labels, another store
     loss_tokens = [read_store(s.path)["num_loss_tokens"].to_pylist() for s in (every, last)]
     assert all(a > b > 0 for a, b in zip(*loss_tokens, strict=True))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_generation_stops_at_the_end_of_turn_token_the_template_writes(name):
+    from raysft.labels import stop_token_ids
+
+    tok = model_tokenizer(name)
+    assert tok.convert_tokens_to_ids(END_OF_TURN[name]) in stop_token_ids(tok)
+    assert tok.eos_token_id in stop_token_ids(tok)
