@@ -44,3 +44,14 @@ def test_fresh_keeps_the_old_run_beside_the_new_one(tmp_path):
 def test_a_step_saved_again_gets_its_own_directory():
     assert checkpoint_name(6) == "checkpoint_00000006"
     assert checkpoint_name(6, frozenset({"checkpoint_00000006", "checkpoint_00000006.1"})) == "checkpoint_00000006.2"
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_directory_raysft_did_not_create_is_neither_written_into_nor_moved(tmp_path, fresh):
+    cfg = tiny_config(tmp_path, **{"run.name": "home"})
+    (cfg.run_dir / "Documents").mkdir(parents=True)
+    (cfg.run_dir / "Documents" / "thesis.tex").write_text("years of work")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=f"{cfg.run_dir} exists and is not a raysft run directory"):
+        claim_run_dir(cfg, "data-a", fresh=fresh)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

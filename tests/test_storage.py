@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM
 import raysft
 import raysft.checkpoint as ckpt_module
 from raysft import storage
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, StorageReader, incomplete_reason
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
+from raysft.dcp_read import StorageReader
 from raysft.launch import FATAL_ERROR_FILE, ray_worker_context
 from raysft.metrics import MetricsLogger, read_metrics
 from raysft.resume import RUN_FILE, checkpoint_dirs, claim_run_dir
