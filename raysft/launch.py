@@ -26,6 +26,7 @@ from raysft.checkpoint import CheckpointSaveError
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.data import prepare_store
+from raysft.lease import RunLease
 from raysft.resume import (
     checkpoint_name,
     choose_resume_dir,
@@ -55,8 +56,11 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 
     Launching again with the same run.name and run.storage_path resumes from the run's latest complete checkpoint;
     the run's data, model and schedule must then be the same (ConfigError otherwise). `fresh` starts the run over
-    and keeps the old run directory beside it, renamed.
+    and keeps the old run directory beside it, renamed. One launch at a time: while another live launch holds the
+    run (raysft.lease), this one raises RunInUse before it changes anything.
     """
+    lease = RunLease(config.run_dir)
+    lease.check_free()  # before the data is tokenized, and before --fresh moves a live launch's run away
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     store = prepare_store(config.data, tokenizer, config.store_dir)
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
@@ -64,6 +68,11 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     moved = claim_run_dir(config, store.path.name, fresh)
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
+    with lease.take():
+        return _fit(config, store.path)
+
+
+def _fit(config: TrainConfig, store: Path) -> Result:
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     s = config.scaling
@@ -71,7 +80,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
     trainer = TorchTrainer(
         train_loop_per_worker=_train_fn,
-        train_loop_config={"config": config.to_dict(), "store": str(store.path), "filesystem": remote,
+        train_loop_config={"config": config.to_dict(), "store": str(store), "filesystem": remote,
                            "filesystem_path": root.path},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
