@@ -27,6 +27,7 @@ from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.data import prepare_store
 from raysft.lease import RunLease
+from raysft.local_ray import start_local_ray
 from raysft.resume import (
     checkpoint_name,
     choose_resume_dir,
@@ -113,13 +114,14 @@ def _fit(config: TrainConfig, store: Path) -> Result:
 
 
 def connect_ray(scaling: RaysftScaling) -> None:
-    """Join the cluster in RAY_ADDRESS, or start a local Ray with just enough logical CPUs for the workers."""
+    """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
+    with just enough logical CPUs for the workers."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
-        ray.init(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+        start_local_ray(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
 
 
 def start_timeout_s() -> float:
