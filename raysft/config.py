@@ -348,6 +348,11 @@ def validate(cfg: TrainConfig) -> None:
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
+    seen: dict[str, str] = {}
+    for path in d.paths:  # the same file twice would silently double its samples
+        same = path if path.startswith(BUILTIN) else os.path.realpath(os.path.expanduser(path))
+        _require(same not in seen, "data.paths", f"lists {seen.get(same)!r} and {path!r}, the same file twice")
+        seen[same] = path
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
              f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")

@@ -198,3 +198,13 @@ def test_a_max_shard_size_below_one_megabyte_is_refused(capsys):
     assert e.value.code == 2 and "--max-shard-mb must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["export", "ckpt", "out", "--max-shard-mb", "-5"])
+
+
+def test_chat_refuses_a_full_checkpoint_stripped_of_its_manifest_and_state(runs, tmp_path):
+    ckpt = copy(runs["full"].run_dir / "checkpoint_00000001", tmp_path / "stripped")
+    (ckpt / MANIFEST_FILE).unlink()
+    (ckpt / "trainer_state.json").unlink()  # what is left looks like an HF model directory, unverified
+    with pytest.raises(CheckpointError, match=f"{ckpt}: incomplete checkpoint: it holds training state .*cannot "
+                                              "be checked"):
+        ChatModel.load(ckpt)
+    assert ChatModel.load(export(runs["full"].run_dir / "checkpoint_00000001", tmp_path / "hf")).tokenizer
