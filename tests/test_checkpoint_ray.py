@@ -119,8 +119,8 @@ def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, unin
         torch.testing.assert_close(value, ref_weights[key], rtol=1e-3, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
 
 
-def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path):
-    first = config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6, "checkpoint.keep": 9})
+def test_resume_skips_an_incomplete_checkpoint_and_says_so_and_ray_prunes_it_not_the_good_ones(tmp_path):
+    first = config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6, "checkpoint.keep": 2})
     raysft.train(first)
     torn = first.run_dir / "checkpoint_00000006"
     shard = torn / "__1_0.distcp"
@@ -129,14 +129,17 @@ def test_resume_skips_an_incomplete_checkpoint_and_says_so(tmp_path):
         raysft.export(torn, tmp_path / "never")
 
     raysft.train(config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
-                                             "checkpoint.keep": 9}))
+                                             "checkpoint.keep": 2}))
     records = read_metrics(first.run_dir)
     skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
     assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(torn) and "__1_0.distcp" in skipped[0]["reason"]
     assert [m["step"] for m in records if m.get("event") == "resume"] == [3]
-    # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one
+    # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one. The torn
+    # one took a place among Ray's checkpoint.keep=2 (it was registered whole): Ray deleted the step-3 one only once
+    # 6.1 was registered, and the torn one once 7 was, so a complete checkpoint was there all along.
     assert sorted(p.name for p in first.run_dir.glob("checkpoint_*") if p.is_dir()) == \
-        ["checkpoint_00000003", "checkpoint_00000006", "checkpoint_00000006.1", "checkpoint_00000007"]
+        ["checkpoint_00000006.1", "checkpoint_00000007"]
+    assert all(incomplete_reason(p) is None for p in first.run_dir.glob("checkpoint_*") if p.is_dir())
 
     # a flipped byte keeps the size; the checksum catches it, for export and (through the same check) for resume
     rng = first.run_dir / "checkpoint_00000007" / "rng.safetensors"
