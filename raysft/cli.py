@@ -15,6 +15,7 @@ from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch import train
 from raysft.metrics import METRICS_FILE, ProgressBar
 from raysft.report import draw, read_curves
+from raysft.storage import location
 from raysft.tokenizer import load_tokenizer
 
 
@@ -93,7 +94,7 @@ def _prepare(config: TrainConfig) -> int:
 def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str | None, force: bool = False) -> int:
     overwrite = True if force else "export"  # an earlier export of `raysft train --export` is replaced
     if export_dir:
-        check_export_target(export_dir, overwrite)  # before training, not after it
+        check_export_target(export_dir, overwrite, location(config.run_dir))  # before training, not after it
     interactive = sys.stderr.isatty()  # a bar with ETA on a terminal; logs get the workers' plain lines
     with ProgressBar(config.run_dir, config.train.max_steps) if interactive else contextlib.nullcontext():
         result = train(config, fresh=fresh)

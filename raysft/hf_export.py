@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,7 +39,7 @@ DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
 def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike,
-           overwrite: bool | str = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+           overwrite: bool | Literal["export"] = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write config, tokenizer and weights (safetensors, sharded with an index above max_shard_bytes).
 
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
@@ -51,7 +52,8 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     if max_shard_bytes <= 0:
         raise ValueError(f"the largest shard must be at least 1 MB, got {max_shard_bytes} bytes")
     ckpt, out = location(checkpoint_dir), Path(out_dir).expanduser().resolve()
-    mode = read_trainer_state(ckpt)["mode"]  # a raysft checkpoint of a format we know, or a clear error
+    state = read_trainer_state(ckpt)  # a raysft checkpoint of a format we know, or a clear error
+    mode = state["mode"]
     reason = incomplete_reason(ckpt)
     if reason:
         raise CheckpointError(f"{native(ckpt)}: incomplete checkpoint: {reason}")
@@ -67,7 +69,8 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
                 _write_shards(_FullWeights(local), tmp, max_shard_bytes)
         else:
             _write_shards(_ShardedWeights(ckpt), tmp, max_shard_bytes)
-        (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "mode": mode}, indent=1))
+        (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode},
+                                                  indent=1))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -77,21 +80,22 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     return out
 
 
-def check_export_target(out_dir: str | os.PathLike, overwrite: bool | str = False,
+def check_export_target(out_dir: str | os.PathLike, overwrite: bool | Literal["export"] = False,
                         ckpt: Location | None = None) -> None:
     """Refuse, before anything is written, to replace a directory that is not ours to delete.
 
     Empty or absent: fine. Otherwise only with overwrite=True, or overwrite="export" when it holds an earlier
-    export; and never, whatever overwrite says, the checkpoint being exported, a directory holding it, or one
-    holding a run or a checkpoint (a mistyped `--force` must not delete a run's checkpoints).
+    export; and never, whatever overwrite says, the checkpoint being exported (or, before training, the run
+    directory), a directory holding it, or one holding a run or a checkpoint (a mistyped `--force` must not
+    delete a run's checkpoints).
     """
     out = Path(out_dir).expanduser().resolve()
+    if ckpt is not None and ckpt.local is not None and (out == ckpt.local or out in ckpt.local.parents):
+        raise FileExistsError(f"{out} holds the checkpoint being exported ({ckpt.local}): export somewhere else")
     if not out.exists():
         return
     if not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
-    if ckpt is not None and ckpt.local is not None and (out == ckpt.local or out in ckpt.local.parents):
-        raise FileExistsError(f"{out} holds the checkpoint being exported ({ckpt.local}): export somewhere else")
     if not any(out.iterdir()):
         return
     for marker in (RUN_FILE, "trainer_state.json"):

@@ -116,3 +116,7 @@ def test_train_export_refuses_a_directory_it_did_not_export_before_training(tmp_
     out = raysft("train", "--set", f"run.storage_path={tmp_path}", "--export", str(mine), env=env)
     assert out.returncode == 1 and f"{mine} exists and is not empty and is no raysft export" in out.stderr
     assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "raysft-demo").exists()
+    into_run = raysft("train", "--set", f"run.storage_path={tmp_path}", "--export", str(tmp_path), "--force",
+                      env=env)
+    assert into_run.returncode == 1 and f"{tmp_path} holds the checkpoint being exported" in into_run.stderr
+    assert not (tmp_path / "raysft-demo").exists()
