@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ from ray.train import (
     CheckpointConfig,
     ControllerError,
     FailureConfig,
+    LoggingConfig,
     Result,
     RunConfig,
     ScalingConfig,
@@ -46,6 +48,10 @@ START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEO
 # scaling.max_failures times.
 NOT_RETRIED = (ConfigError, CheckpointSaveError)
 FATAL_ERROR_FILE = "raysft_error.json"
+# Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off
+# the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
+# directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
+RAY_TRAIN_CONSOLE_LEVEL = os.environ.get("RAYSFT_RAY_TRAIN_LOG_LEVEL", "WARNING")
 
 
 class CannotPlaceWorkers(RuntimeError):
@@ -93,6 +99,7 @@ def _fit(config: TrainConfig, store: Path) -> Result:
             failure_config=FailureConfig(max_failures=s.max_failures,
                                          controller_failure_limit=start_attempts(s) - 1),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
+            logging_config=LoggingConfig(log_level=RAY_TRAIN_CONSOLE_LEVEL),
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
@@ -121,7 +128,8 @@ def connect_ray(scaling: RaysftScaling) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
-        start_local_ray(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+        temp = start_local_ray(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+        print(f"raysft: a local Ray of its own; its logs: {temp}/ray/session_latest/logs", flush=True)
 
 
 def start_timeout_s() -> float:
@@ -156,6 +164,7 @@ def _train_fn(loop_config: dict) -> None:
     cfg = TrainConfig.from_dict(loop_config["config"])
     if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
         use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
+    _quiet_report_lines()
     worker = ray_worker_context()
     if ray.train.get_context().get_local_rank() == 0:
         clear_scratch(scratch_root(cfg))  # before the first collective, so before any worker here saves
@@ -165,6 +174,26 @@ def _train_fn(loop_config: dict) -> None:
         if worker.rank == 0:
             (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
                 json.dumps({"type": type(e).__name__, "message": str(e)}))
+
+
+def _quiet_report_lines() -> None:
+    """Ray Train logs every report (`Reporting training result N: TrainingReport(...)`, the whole metrics dict) at
+    INFO through a logger named by its file's path, which RunConfig's logging_config does not reach. Drop those
+    records from the console only: the worker's Ray Train log file still gets them. A Ray without that module or
+    handler is left as it is."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    noisy = context.__file__
+
+    class _DropReports(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.name != noisy or record.levelno >= logging.WARNING
+
+    for handler in logging.getLogger().handlers:
+        if type(handler).__name__ == "PlainRayHandler":  # Ray Train's console handler; its file handlers differ
+            handler.addFilter(_DropReports())
 
 
 def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext) -> Trainer:

@@ -44,7 +44,10 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
         "--export", str(tmp_path / "hf"), "--prompt", "What is 2 plus 3?", env=env, stdout_file=tmp_path / "stdout")
     assert code == 0, terminal[-3000:]
     assert "\r\x1b[K" in terminal and "step 6/6" in terminal and "100%" in terminal and "| eta " in terminal
+    # Ray Train's own INFO lines (each report's metrics dict, worker-group starts) stay in Ray's logs
+    assert "TrainingReport(" not in terminal and "Requesting resources" not in terminal, terminal[-3000:]
     stdout = (tmp_path / "stdout").read_text()
+    assert "raysft: checkpoint step=3 mode=" in stdout and "raysft: a local Ray of its own; its logs: " in stdout
     assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in stdout
     assert "assistant:" in stdout and (tmp_path / "hf" / "model.safetensors").is_file()
 
