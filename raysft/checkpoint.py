@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
@@ -401,20 +402,20 @@ def _first_failure(e: BaseException) -> BaseException:
     return next(iter(failures.values())) if isinstance(failures, dict) and failures else e
 
 
-def read_index(ckpt_dir: Path | Location) -> Metadata:
+def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None) -> Metadata:
     """The DCP index of a sharded checkpoint, read without running anything from it (raysft.dcp_read)."""
     try:
-        return dcp_reader(ckpt_dir).read_metadata()
+        return (reader or dcp_reader(ckpt_dir)).read_metadata()
     except (OSError, UnsafeCheckpointData) as e:
         raise CheckpointError(f"{ckpt_dir}: cannot read the sharded checkpoint's index: {e}") from e
 
 
 def _load_sharded(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)  # this topology's shards, to be filled
-    read_index(ckpt_dir)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
+    reader = dcp_reader(ckpt_dir)
+    read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
     try:
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=dcp_reader(ckpt_dir),
-                 planner=SafeLoadPlanner())
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
         raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {_first_failure(e)}") from e
     set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
