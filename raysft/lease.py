@@ -67,14 +67,15 @@ def holder_alive(lease: dict, watch_s: float, read: Callable[[], dict | None] | 
         except (TypeError, ValueError):
             return False
         return started is not None and started == lease.get("started")
-    if time.time() - float(lease.get("heartbeat", 0)) > watch_s:
+    beat = lease.get("heartbeat")
+    if not isinstance(beat, (int, float)) or time.time() - beat > watch_s:
         return False
     deadline = time.monotonic() + watch_s  # another host: watch the heartbeat (its clock may differ from ours)
     while read is not None and time.monotonic() < deadline:
         time.sleep(min(HEARTBEAT_S / 2, watch_s))
         now = read()
         if now is None or now.get("token") != lease.get("token"):
-            return False  # released, or taken over by a third launch, which the caller looks at again
+            return False  # released, or taken by a third launch (`take` then reads whose it is)
         if now.get("heartbeat") != lease.get("heartbeat"):
             return True
     return read is None
