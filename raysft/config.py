@@ -377,7 +377,7 @@ def _validate_attention(name: str) -> None:
     fetch a kernel from the hub): refuse it here."""
     from transformers import AttentionInterface
 
-    known = {*ATTN_IMPLEMENTATIONS, *AttentionInterface._global_mapping}
+    known = {*ATTN_IMPLEMENTATIONS, *AttentionInterface().valid_keys()}  # registered ones, built-in or added
     _require(name in known, "model.attn_implementation", f"{name!r} is not one of {', '.join(sorted(known))}")
 
 

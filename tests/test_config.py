@@ -69,9 +69,15 @@ def test_a_float_written_as_yaml_reads_it_is_accepted_in_either_form(tmp_path):
         load_config(None, ["train.lr=fast"])
 
 
-def test_every_attention_kernel_transformers_knows_is_accepted():
+def test_every_attention_kernel_transformers_knows_is_accepted_and_one_registered_later_too():
+    from transformers import AttentionInterface
+
     for name in ("sdpa", "eager", "flex_attention", "flash_attention_2"):
         assert load_config(None, [f"model.attn_implementation={name}"]).model.attn_implementation == name
+    with pytest.raises(ConfigError, match="raysft_test_kernel"):
+        load_config(None, ["model.attn_implementation=raysft_test_kernel"])
+    AttentionInterface.register("raysft_test_kernel", lambda *args, **kwargs: None)
+    assert load_config(None, ["model.attn_implementation=raysft_test_kernel"])
 
 
 def test_a_set_value_that_is_not_yaml_is_a_config_error_naming_the_item(capsys):
