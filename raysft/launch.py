@@ -17,7 +17,6 @@ from ray.train import (
     CheckpointConfig,
     ControllerError,
     FailureConfig,
-    LoggingConfig,
     Result,
     RunConfig,
     ScalingConfig,
@@ -99,7 +98,7 @@ def _fit(config: TrainConfig, store: Path) -> Result:
             failure_config=FailureConfig(max_failures=s.max_failures,
                                          controller_failure_limit=start_attempts(s) - 1),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
-            logging_config=LoggingConfig(log_level=RAY_TRAIN_CONSOLE_LEVEL),
+            **_quiet_console(),
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
@@ -174,6 +173,15 @@ def _train_fn(loop_config: dict) -> None:
         if worker.rank == 0:
             (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
                 json.dumps({"type": type(e).__name__, "message": str(e)}))
+
+
+def _quiet_console() -> dict:
+    """RunConfig's logging_config (Ray 2.5x+; older ones keep Ray Train's lines on the console)."""
+    try:
+        from ray.train import LoggingConfig
+    except ImportError:
+        return {}
+    return {"logging_config": LoggingConfig(log_level=RAY_TRAIN_CONSOLE_LEVEL)}
 
 
 def _quiet_report_lines() -> None:
