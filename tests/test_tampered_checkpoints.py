@@ -36,10 +36,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def gloo():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MASTER_ADDR", "127.0.0.1")
+        env.setenv("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
 
 
 def trainer(cfg, resume_dir=None) -> Trainer:
