@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from raysft.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError, incomplete_reason, read_trainer_state
+from raysft.checkpoint import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    TRAINING_FILES,
+    CheckpointError,
+    incomplete_reason,
+    read_trainer_state,
+)
 from raysft.hf_export import export
 
 Message = dict[str, str]
@@ -42,6 +49,11 @@ class ChatModel:
             reason = incomplete_reason(path)
             if reason:
                 raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
+        elif any((path / name).exists() for name in TRAINING_FILES):
+            raise CheckpointError(f"{path}: incomplete checkpoint: it holds training state "
+                                  f"({', '.join(n for n in TRAINING_FILES if (path / n).exists())}) but neither "
+                                  f"{MANIFEST_FILE} nor {STATE_FILE}, so its weights cannot be checked; use a "
+                                  "complete checkpoint or an exported model")
         elif not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: neither an HF model directory (no config.json) "
                                     f"nor a raysft checkpoint (no {STATE_FILE})")

@@ -14,9 +14,9 @@ Either layout loads on any number of workers and any sharding strategy (broadcas
 resharding), and a run may switch modes across a resume. Checkpoints are written to local scratch directories (Ray
 uploads them) and loaded from wherever the run lives: on remote storage each rank of a sharded load reads just its
 byte ranges (`StorageReader`), and rank 0 of a full load downloads the files it needs. Tensors live in
-safetensors or DCP files and the rest in JSON. A full checkpoint is never unpickled; a sharded one is, in one
-place that is torch's own: DCP reads its `.metadata` index with pickle, so load sharded checkpoints only from
-storage that only trusted writers can write to.
+safetensors or DCP files and the rest in JSON. A full checkpoint is never unpickled; a sharded one's DCP index
+(`.metadata`, a pickle) and saved values are read by raysft.dcp_read, which admits only DCP's own metadata classes
+and plain data, so a tampered checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -34,7 +33,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -42,7 +40,8 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -56,6 +55,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.collectives import count_ranks, default_device
 from raysft.dataloader import DataCursor
+from raysft.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
 from raysft.storage import Location, location
 
 FORMAT_VERSION = 1
@@ -247,9 +247,17 @@ def read_trainer_state(ckpt_dir: Path | Location) -> dict:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable trainer state: {e}") from e
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {state.get('format_version')}, expected {FORMAT_VERSION}")
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        found = state.get("format_version") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
+        raise CheckpointError(f"{path}: checkpoint format {found}, expected {FORMAT_VERSION}")
+    wrong = [k for k, tp in _STATE_KEYS.items() if not isinstance(state.get(k), tp)]
+    if wrong or state["mode"] not in ("full", "sharded"):
+        raise CheckpointError(f"{path}: not a raysft trainer state: {wrong[0] if wrong else 'mode'} is missing or "
+                              f"of the wrong type ({state.get(wrong[0] if wrong else 'mode')!r})")
     return state
+
+
+_STATE_KEYS = {"mode": str, "step": int, "cursor": dict, "scheduler": dict, "world_size": int}
 
 
 def is_payload(name: str) -> bool:
@@ -270,8 +278,11 @@ def incomplete_reason(ckpt_dir: Path | Location, checksums: bool | None = None) 
         manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
     except FileNotFoundError:
         return f"no {MANIFEST_FILE} (the save did not finish)"
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         return f"unreadable {MANIFEST_FILE}: {e}"
+    problem = manifest_problem(manifest)
+    if problem:
+        return f"{MANIFEST_FILE} is not a raysft manifest: {problem}"
     sizes = ckpt.files()
     for name, entry in manifest["files"].items():
         if name not in sizes:
@@ -281,6 +292,22 @@ def incomplete_reason(ckpt_dir: Path | Location, checksums: bool | None = None) 
         hashed = checksums if checksums is not None else ckpt.local is not None or not is_payload(name)
         if hashed and (ckpt / name).sha256() != entry["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def manifest_problem(manifest: object) -> str | None:
+    """What makes parsed JSON not a manifest (None if it is one): valid JSON is not enough to be trusted."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "no 'files' listing"
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or \
+                not isinstance(entry.get("sha256"), str):
+            return f"the entry of {name!r} lacks an integer size and a sha256"
+        if name.startswith("/") or ".." in name.split("/"):
+            return f"{name!r} is not a path inside the checkpoint"
     return None
 
 
@@ -377,73 +404,29 @@ def _save_sharded(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> F
                           process_group=_checkpoint_group())
 
 
+def _first_failure(e: BaseException) -> BaseException:
+    """DCP's CheckpointException holds each rank's exception, its message their tracebacks: say the first."""
+    failures = getattr(e, "failures", None)
+    return next(iter(failures.values())) if isinstance(failures, dict) and failures else e
+
+
+def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None) -> Metadata:
+    """The DCP index of a sharded checkpoint, read without running anything from it (raysft.dcp_read)."""
+    try:
+        return (reader or dcp_reader(ckpt_dir)).read_metadata()
+    except (OSError, UnsafeCheckpointData) as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot read the sharded checkpoint's index: {e}") from e
+
+
 def _load_sharded(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)  # this topology's shards, to be filled
+    reader = dcp_reader(ckpt_dir)
+    read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
     try:
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=dcp_reader(ckpt_dir))
-    except Exception as e:  # DCP wraps per-rank failures; name the directory
-        raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {e}") from e
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
+        raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {_first_failure(e)}") from e
     set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-
-
-def dcp_reader(ckpt_dir: Path | Location) -> FileSystemReader:
-    """DCP's own reader for a local directory; on remote storage one that reads byte ranges from it."""
-    ckpt = location(ckpt_dir)
-    return FileSystemReader(ckpt.local) if ckpt.local is not None else StorageReader(ckpt)
-
-
-class _ArrowFiles(FileSystemBase):
-    """DCP's file operations on a pyarrow filesystem, for reading (checkpoints are written locally and uploaded
-    by Ray)."""
-
-    def __init__(self, fs: pafs.FileSystem):
-        self.fs = fs
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-        if mode != "rb":
-            raise NotImplementedError(f"{path}: raysft reads checkpoints from remote storage, it does not write them")
-        with self.fs.open_input_file(str(path)) as f:  # random access: ranged reads, nothing downloaded up front
-            yield f
-
-    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
-        return f"{path}/{suffix}"
-
-    def init_path(self, path: str | os.PathLike) -> str:
-        return str(path)
-
-    def exists(self, path: str | os.PathLike) -> bool:
-        return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        raise NotImplementedError
-
-    def mkdir(self, path: str | os.PathLike) -> None:
-        raise NotImplementedError
-
-    def rm_file(self, path: str | os.PathLike) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False
-
-
-class StorageReader(FileSystemReader):
-    """Loads a DCP checkpoint straight from remote storage: each rank fetches only the byte ranges of the tensor
-    pieces its own shards need, one ranged read per piece, instead of every node downloading the checkpoint.
-    `bytes_read` counts them."""
-
-    def __init__(self, ckpt: Location):
-        super().__init__(ckpt.path)
-        self.fs = _ArrowFiles(ckpt.fs)
-        self.path = ckpt.path
-        self.bytes_read = 0
-
-    def _slice_file(self, file, sinfo) -> io.BytesIO:
-        data = file.read_at(sinfo.length, sinfo.offset)
-        self.bytes_read += len(data)
-        return io.BytesIO(data)
 
 
 # --- background writing, manifest, RNG -----------------------------------------------------------------------------

@@ -11,10 +11,11 @@ import transformers
 from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest, store_files
-from raysft.hf_export import DEFAULT_SHARD_BYTES, export
+from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch import train
 from raysft.metrics import METRICS_FILE, ProgressBar
 from raysft.report import draw, read_curves
+from raysft.storage import location
 from raysft.tokenizer import load_tokenizer
 
 
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="start the run over instead of resuming it (the old run directory is kept, renamed)")
     p_train.add_argument("--export", metavar="DIR", help="export the final checkpoint to DIR as an HF model")
     p_train.add_argument("--prompt", help="with --export: print the exported model's answer to PROMPT")
+    p_train.add_argument("--force", action="store_true",
+                         help="with --export: replace DIR even if it holds something other than an earlier export")
     p_prepare = sub.add_parser("prepare", help="tokenize the data into the parquet store ahead of training")
     add_config_args(p_prepare)
     p_export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "train" and args.prompt and not args.export:
         parser.error("--prompt needs --export DIR")
+    if args.command == "train" and args.force and not args.export:
+        parser.error("--force needs --export DIR")
+    if args.command == "export" and args.max_shard_mb <= 0:
+        parser.error(f"--max-shard-mb must be at least 1, got {args.max_shard_mb}")
 
     try:
         if args.command == "export":
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
             return _prepare(config)
-        return _train(config, args.fresh, args.export, args.prompt)
+        return _train(config, args.fresh, args.export, args.prompt, args.force)
     except ConfigError as e:
         print(f"raysft: config error: {e}", file=sys.stderr)
         return 2
@@ -84,7 +91,10 @@ def _prepare(config: TrainConfig) -> int:
     return 0
 
 
-def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str | None) -> int:
+def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str | None, force: bool = False) -> int:
+    overwrite = True if force else "export"  # an earlier export of `raysft train --export` is replaced
+    if export_dir:
+        check_export_target(export_dir, overwrite, location(config.run_dir))  # before training, not after it
     interactive = sys.stderr.isatty()  # a bar with ETA on a terminal; logs get the workers' plain lines
     with ProgressBar(config.run_dir, config.train.max_steps) if interactive else contextlib.nullcontext():
         result = train(config, fresh=fresh)
@@ -93,7 +103,7 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")
     if export_dir:
         with result.checkpoint.as_directory() as ckpt:
-            out = export(ckpt, export_dir, overwrite=True)
+            out = export(ckpt, export_dir, overwrite=overwrite)
         print(f"raysft: exported {out}")
         if prompt:
             print(f"user: {prompt}\nassistant: {generate_answer(out, prompt)}")

@@ -36,9 +36,10 @@ class ModelConfig:
     tokenizer: str = "builtin:demo"
     """Tokenizer directory; empty means `path`. "builtin:demo" is the byte-level BPE shipped for the demo."""
     attn_implementation: str = "sdpa"
-    """transformers' attention kernel: "sdpa", "eager", "flex_attention", "flash_attention_2" (if installed), or
-    "varlen": raysft's padding-free attention for data.packing (flash varlen from torch on CUDA in bf16/fp16;
-    per-sample SDPA elsewhere), with no block-causal mask."""
+    """transformers' attention kernel: one of ATTN_IMPLEMENTATIONS ("sdpa", "eager", "flex_attention",
+    "flash_attention_2" if installed, or "varlen": raysft's padding-free attention for data.packing, flash varlen
+    from torch on CUDA in bf16/fp16, per-sample SDPA elsewhere) or a name registered with transformers'
+    AttentionInterface."""
 
 
 @dataclass
@@ -104,13 +105,18 @@ class TrainLoopConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW's moment decay rates."""
     grad_clip: float = 1.0
-    """Clip the global gradient norm to this."""
+    """Clip the global gradient norm to this (> 0; there is no "off": a huge value never clips)."""
     log_every_n_steps: int = 10
     """Progress lines in the log, and how often the step metrics are reduced over the workers (a device sync);
     metrics.jsonl gets every step, written at these steps, checkpoints and reports."""
     report_every_n_steps: int = 0
     """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
 
+
+# model.attn_implementation: transformers' built-in kernels; anything registered with transformers'
+# AttentionInterface (raysft's own included) is accepted too. Extend this tuple for a kernel registered only
+# inside the workers.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "varlen")  # varlen: raysft.attention
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 
@@ -261,7 +267,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-        node[leaf] = yaml.safe_load(raw) if raw else ""
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(e).split())}") from e
     return TrainConfig.from_dict(data)
 
 
@@ -311,6 +320,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
         return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"config key '{key}': expected float, got {value!r} (str)") from None
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
@@ -319,6 +333,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     }[tp]
     if not ok:
         raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}': must be a finite number, got {value!r}")
     return float(value) if tp is float else str(value) if tp is str else value
 
 
@@ -364,6 +380,9 @@ def validate(cfg: TrainConfig) -> None:
     _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
+    _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
+    _require(t.grad_clip > 0, "train.grad_clip",
+             f"must be > 0 (the largest gradient norm kept; 0 would stop learning), got {t.grad_clip}")
     _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
              f"must be two values in [0, 1), got {t.betas}")
     _require(t.log_every_n_steps > 0, "train.log_every_n_steps", f"must be > 0, got {t.log_every_n_steps}")
@@ -372,7 +391,12 @@ def validate(cfg: TrainConfig) -> None:
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
-    data_sources(d.paths)
+    seen: dict[str, str] = {}
+    for path, _ in data_sources(d.paths):  # the same file twice would silently double its samples
+        same = path if path.startswith(BUILTIN) else os.path.realpath(os.path.expanduser(path))
+        _require(same not in seen, "data.paths", f"lists {seen.get(same)!r} and {path!r}, the same file twice (a "
+                 "weight samples a source more or less often: {path: ..., weight: w})")
+        seen[same] = path
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
              f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")
@@ -380,8 +404,10 @@ def validate(cfg: TrainConfig) -> None:
              "set model.path (fine-tune) or model.config (from scratch)")
     _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer",
              "no tokenizer: set model.tokenizer or model.path")
-    _require(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name",
-             f"must be a non-empty name without '/', got {cfg.run.name!r}")
+    _require(is_plain_name(cfg.run.name), "run.name",
+             f"must be a plain directory name (not '.' or '..', no path separator), got {cfg.run.name!r}: "
+             "the run directory is always a child of run.storage_path")
+    _validate_attention(cfg.model.attn_implementation)
     _validate_storage(cfg)
 
 
@@ -402,6 +428,20 @@ def data_sources(paths: list[str | dict]) -> list[tuple[str, float]]:
                  and weight > 0, key, f"weight must be a finite number > 0, got {weight!r}")
         sources.append((path, float(weight)))
     return sources
+
+
+def is_plain_name(name: str) -> bool:
+    """A single path component that names a child of its parent: not empty, `.` or `..`, no separator."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
+def _validate_attention(name: str) -> None:
+    """An unknown name would fail in every worker after Ray started them (or, written `org/repo`, make transformers
+    fetch a kernel from the hub): refuse it here."""
+    from transformers import AttentionInterface
+
+    known = {*ATTN_IMPLEMENTATIONS, *AttentionInterface().valid_keys()}  # registered ones, built-in or added
+    _require(name in known, "model.attn_implementation", f"{name!r} is not one of {', '.join(sorted(known))}")
 
 
 def _validate_storage(cfg: TrainConfig) -> None:

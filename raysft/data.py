@@ -94,7 +94,7 @@ def jsonl_records(lines: Iterable[bytes], index: int, lineno: int) -> Iterator[t
     for raw in lines:
         if not is_blank(raw):
             try:
-                yield index, json.loads(raw.decode("utf-8"))
+                yield index, json.loads(raw.decode("utf-8-sig"))  # -sig: a BOM that starts the file
             except UnicodeDecodeError as e:
                 yield index, BadRecord("invalid_json", f"line {lineno} is not UTF-8: {e.reason} at byte {e.start}")
             except json.JSONDecodeError as e:
@@ -110,7 +110,7 @@ def is_blank(raw: bytes) -> bool:
         return True
     if 0x20 < stripped[0] < 0x80:  # an ASCII character that is not whitespace: the common case, no decoding
         return False
-    return not raw.decode("utf-8", "replace").strip()
+    return not raw.decode("utf-8-sig", "replace").strip()
 
 
 def json_text(path: Path) -> str:
@@ -123,7 +123,7 @@ def json_text(path: Path) -> str:
 
 def json_array(path: Path, text: str) -> list:
     try:
-        data = json.loads(text)
+        data = json.loads(text.removeprefix(BOM))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
     if not isinstance(data, list):
@@ -132,6 +132,7 @@ def json_array(path: Path, text: str) -> list:
 
 
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")  # json's own definition of whitespace
+BOM = "\ufeff"  # a byte-order mark some editors write at the start of UTF-8 files; kept in the text (3 bytes)
 
 
 def json_array_spans(text: str) -> list[tuple[int, int]] | None:
@@ -139,7 +140,7 @@ def json_array_spans(text: str) -> list[tuple[int, int]] | None:
     memory; None for anything json.loads would not read as an array (it then gives the error message)."""
     decoder = json.JSONDecoder()
     spans: list[tuple[int, int]] = []
-    pos = _JSON_SPACE.match(text).end()
+    pos = _JSON_SPACE.match(text, 1 if text.startswith(BOM) else 0).end()
     if text[pos : pos + 1] != "[":
         return None
     pos = _JSON_SPACE.match(text, pos + 1).end()

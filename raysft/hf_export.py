@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,34 +24,40 @@ from raysft.checkpoint import (
     MODEL_FILE,
     TRAINING_FILES,
     CheckpointError,
-    dcp_reader,
     incomplete_reason,
     local_copy,
+    read_index,
     read_trainer_state,
 )
+from raysft.dcp_read import SafeLoadPlanner, dcp_reader
+from raysft.resume import RUN_FILE
 from raysft.storage import Location, location, native
 
 INDEX_FILE = "model.safetensors.index.json"
+EXPORT_FILE = "raysft_export.json"  # marks a directory raysft exported: which checkpoint, which step
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
 
 
-def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike, overwrite: bool = False,
-           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike,
+           overwrite: bool | Literal["export"] = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write config, tokenizer and weights (safetensors, sharded with an index above max_shard_bytes).
 
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
     there piece by piece (not its optimizer state), a full one's model.safetensors is downloaded to a temporary
     directory first.
-    The directory appears complete or not at all (written beside it, then renamed); an existing non-empty
-    directory is only replaced with overwrite=True.
+    The directory appears complete or not at all (written beside it, then renamed). An existing non-empty
+    directory is replaced only with overwrite=True (`--force`), or with overwrite="export" when it is an earlier
+    raysft export (it holds raysft_export.json); never when it holds a run or a checkpoint, or this checkpoint.
     """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"the largest shard must be at least 1 MB, got {max_shard_bytes} bytes")
     ckpt, out = location(checkpoint_dir), Path(out_dir).expanduser().resolve()
-    mode = read_trainer_state(ckpt)["mode"]  # a raysft checkpoint of a format we know, or a clear error
+    state = read_trainer_state(ckpt)  # a raysft checkpoint of a format we know, or a clear error
+    mode = state["mode"]
     reason = incomplete_reason(ckpt)
     if reason:
         raise CheckpointError(f"{native(ckpt)}: incomplete checkpoint: {reason}")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --force to replace it)")
+    check_export_target(out, overwrite, ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -62,6 +69,8 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
                 _write_shards(_FullWeights(local), tmp, max_shard_bytes)
         else:
             _write_shards(_ShardedWeights(ckpt), tmp, max_shard_bytes)
+        (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode},
+                                                  indent=1))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -69,6 +78,36 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_export_target(out_dir: str | os.PathLike, overwrite: bool | Literal["export"] = False,
+                        ckpt: Location | None = None) -> None:
+    """Refuse, before anything is written, to replace a directory that is not ours to delete.
+
+    Empty or absent: fine. Otherwise only with overwrite=True, or overwrite="export" when it holds an earlier
+    export; and never, whatever overwrite says, the checkpoint being exported (or, before training, the run
+    directory), a directory holding it, or one holding a run or a checkpoint (a mistyped `--force` must not
+    delete a run's checkpoints).
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if ckpt is not None and ckpt.local is not None and (out == ckpt.local or out in ckpt.local.parents):
+        raise FileExistsError(f"{out} holds the checkpoint being exported ({ckpt.local}): export somewhere else")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return
+    for marker in (RUN_FILE, "trainer_state.json"):
+        found = next(out.rglob(marker), None)
+        if found is not None:
+            raise FileExistsError(f"{out} holds a raysft {'run' if marker == RUN_FILE else 'checkpoint'} "
+                                  f"({found.parent}): raysft never replaces it, even with --force")
+    if overwrite is True or (overwrite == "export" and (out / EXPORT_FILE).is_file()):
+        return
+    raise FileExistsError(f"{out} exists and is not empty"
+                          f"{'' if (out / EXPORT_FILE).is_file() else ' and is no raysft export'} "
+                          "(pass overwrite=True / --force to replace it)")
 
 
 class _FullWeights:
@@ -89,14 +128,14 @@ class _ShardedWeights:
 
     def __init__(self, ckpt: Location):
         self.ckpt = ckpt
-        metadata = dcp_reader(ckpt).read_metadata().state_dict_metadata
+        metadata = read_index(native(ckpt)).state_dict_metadata
         self.meta = {key.removeprefix("model."): m for key, m in metadata.items()
                      if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         self.sizes = {name: m.size.numel() * m.properties.dtype.itemsize for name, m in self.meta.items()}
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         tensors = {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}
-        dcp.load({"model": tensors}, storage_reader=dcp_reader(self.ckpt), no_dist=True)
+        dcp.load({"model": tensors}, storage_reader=dcp_reader(self.ckpt), planner=SafeLoadPlanner(), no_dist=True)
         return tensors
 
 

@@ -8,6 +8,7 @@ DirectorySink); on remote storage (s3://, ...) each worker writes node-local scr
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -38,6 +39,8 @@ from raysft.checkpointer import (
 )
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
+from raysft.lease import RunLease
+from raysft.local_ray import start_local_ray
 from raysft.resume import prepare_launch
 from raysft.storage import location, use_filesystem
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
@@ -49,6 +52,10 @@ START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEO
 # scaling.max_failures times.
 NOT_RETRIED = (ConfigError, CheckpointSaveError)
 FATAL_ERROR_FILE = "raysft_error.json"
+# Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off
+# the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
+# directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
+RAY_TRAIN_CONSOLE_LEVEL = os.environ.get("RAYSFT_RAY_TRAIN_LOG_LEVEL", "WARNING")
 
 
 class CannotPlaceWorkers(RuntimeError):
@@ -60,9 +67,17 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 
     Launching again with the same run.name and run.storage_path resumes from the run's latest complete checkpoint;
     the run's data, model and schedule must then be the same (ConfigError otherwise). `fresh` starts the run over
-    and keeps the old run directory beside it, renamed.
+    and keeps the old run directory beside it, renamed. One launch at a time: while another live launch holds the
+    run (raysft.lease), this one raises RunInUse before it changes anything.
     """
+    lease = RunLease(config.run_dir)
+    lease.check_free()  # before the data is tokenized, and before --fresh moves a live launch's run away
     store = prepare_launch(config, fresh)
+    with lease.take():
+        return _fit(config, store)
+
+
+def _fit(config: TrainConfig, store: Path) -> Result:
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     s = config.scaling
@@ -82,6 +97,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
             failure_config=FailureConfig(max_failures=s.max_failures,
                                          controller_failure_limit=start_attempts(s) - 1),
             checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
+            **_quiet_console(),
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
@@ -103,13 +119,15 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 
 
 def connect_ray(scaling: RaysftScaling) -> None:
-    """Join the cluster in RAY_ADDRESS, or start a local Ray with just enough logical CPUs for the workers."""
+    """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
+    with just enough logical CPUs for the workers."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:
-        ray.init(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+        temp = start_local_ray(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+        print(f"raysft: a local Ray of its own; its logs: {temp}/ray/session_latest/logs", flush=True)
 
 
 def start_timeout_s() -> float:
@@ -144,6 +162,7 @@ def _train_fn(loop_config: dict) -> None:
     cfg = TrainConfig.from_dict(loop_config["config"])
     if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
         use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
+    _quiet_report_lines()
     worker = ray_worker_context()
     if ray.train.get_context().get_local_rank() == 0:  # before the first collective, so before any worker saves
         clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
@@ -153,6 +172,35 @@ def _train_fn(loop_config: dict) -> None:
         if worker.rank == 0:
             (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
                 json.dumps({"type": type(e).__name__, "message": str(e)}))
+
+
+def _quiet_console() -> dict:
+    """RunConfig's logging_config (Ray 2.5x+; older ones keep Ray Train's lines on the console)."""
+    try:
+        from ray.train import LoggingConfig
+    except ImportError:
+        return {}
+    return {"logging_config": LoggingConfig(log_level=RAY_TRAIN_CONSOLE_LEVEL)}
+
+
+def _quiet_report_lines() -> None:
+    """Ray Train logs every report (`Reporting training result N: TrainingReport(...)`, the whole metrics dict) at
+    INFO through a logger named by its file's path, which RunConfig's logging_config does not reach. Drop those
+    records from the console only: the worker's Ray Train log file still gets them. A Ray without that module or
+    handler is left as it is."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    noisy = context.__file__
+
+    class _DropReports(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.name != noisy or record.levelno >= logging.WARNING
+
+    for handler in logging.getLogger().handlers:
+        if type(handler).__name__ == "PlainRayHandler":  # Ray Train's console handler; its file handlers differ
+            handler.addFilter(_DropReports())
 
 
 def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext) -> Trainer:

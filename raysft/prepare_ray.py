@@ -238,5 +238,7 @@ def _connect_ray() -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init()
         return False
-    ray.init(include_dashboard=False)
+    from raysft.local_ray import start_local_ray
+
+    start_local_ray(include_dashboard=False)  # its own, never another Ray found on this machine
     return True

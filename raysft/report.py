@@ -6,6 +6,7 @@ matplotlib is an optional dependency (`pip install 'raysft[report]'`), imported 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -19,14 +20,15 @@ class RunCurves:
     path: Path  # the metrics file
     steps: dict[int, dict] = field(default_factory=dict)  # step -> its row, in step order
     events: list[dict] = field(default_factory=list)
-    unreadable_lines: int = 0  # a line cut short by a killed process
+    unreadable_lines: int = 0  # a line cut short by a killed process, or a row that is not a step's or an event's
 
     def summary(self) -> str:
         rows = list(self.steps.values())
         resumes = sum(e["event"] == "resume" for e in self.events)
         checkpoints = sum(e["event"] == "checkpoint" for e in self.events)
+        speeds = [r["tokens_per_s"] for r in rows if _number(r.get("tokens_per_s"))]
         return (f"{len(rows)} steps (last {rows[-1]['step']}), final loss {rows[-1]['loss']:.4f}, "
-                f"median {statistics.median(r['tokens_per_s'] for r in rows):.0f} tokens/s, "
+                f"median {statistics.median(speeds) if speeds else float('nan'):.0f} tokens/s, "
                 f"checkpoints {checkpoints}, resumes {resumes}")
 
 
@@ -45,16 +47,26 @@ def read_curves(run_dir: str | os.PathLike) -> RunCurves:
             continue
         if row is None:
             continue
-        if "event" in row:
+        is_event = isinstance(row, dict) and isinstance(row.get("event"), str) and \
+            (row["event"] not in ("resume", "checkpoint") or isinstance(row.get("step"), int))
+        if not is_event and not (isinstance(row, dict) and isinstance(row.get("step"), int) and
+                                 _number(row.get("loss"))):
+            curves.unreadable_lines += 1  # a row raysft did not write (no loss, say): counted, not plotted
+            continue
+        if is_event:
             curves.events.append(row)
             if row["event"] == "resume":
                 steps = {s: r for s, r in steps.items() if s <= row["step"]}
-        elif "step" in row:
+        else:
             steps[row["step"]] = row
     if not steps:
         raise ValueError(f"{curves.path}: no training steps recorded")
     curves.steps = dict(sorted(steps.items()))
     return curves
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
@@ -69,7 +81,7 @@ def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
     loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
     loss_ax.plot(steps, [r["loss"] for r in curves.steps.values()], color="tab:blue")
     loss_ax.set_ylabel("loss")
-    speed_ax.plot(steps, [r["tokens_per_s"] for r in curves.steps.values()], color="tab:green")
+    speed_ax.plot(steps, [r.get("tokens_per_s", math.nan) for r in curves.steps.values()], color="tab:green")
     speed_ax.set_ylabel("tokens/s")
     speed_ax.set_xlabel("step")
     marks = {"checkpoint": {"color": "grey", "linestyle": ":"}, "resume": {"color": "tab:red", "linestyle": "--"}}

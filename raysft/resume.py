@@ -56,9 +56,16 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     """Check that this launch may use the run directory, and record what defines the run on first use.
 
     Returns where an existing run was moved to with `fresh`, else None. Raises ConfigError, before anything is
-    written, when the run exists and was started with other run-defining settings.
+    written, when the run exists and was started with other run-defining settings, or when the directory holds
+    files but no raysft_run.json: raysft writes into, and `fresh` moves, only a directory raysft created.
     """
     run_dir = location(config.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} exists and is not a directory: pick another run.name")
+    if run_dir.children() and not (run_dir / RUN_FILE).is_file():
+        raise ConfigError(
+            f"{run_dir} exists and is not a raysft run directory (no {RUN_FILE}); raysft neither writes into nor "
+            "moves (--fresh) a directory it did not create: pick another run.name or run.storage_path")
     moved = None
     if fresh and run_dir.children():
         moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")

@@ -26,6 +26,7 @@ from raysft.checkpointer import (
     scratch_root,
 )
 from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.lease import RunInUse, RunLease
 from raysft.resume import prepare_launch
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
@@ -60,17 +61,28 @@ def init_distributed() -> WorkerContext:
 
 def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
-    store = prepare_on_rank0(config, ctx.rank, fresh)
-    return train(config, store, ctx)
+    lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
+    store = prepare_on_rank0(config, ctx.rank, fresh, lease)
+    try:
+        return train(config, store, ctx)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
-def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool) -> Path:
-    """Collective: rank 0 prepares the store and claims the run; every rank gets the store, or rank 0's error."""
+def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool, lease: RunLease | None = None) -> Path:
+    """Collective: rank 0 prepares the store, claims the run and takes its `lease` (if given); every rank gets the
+    store, or rank 0's error."""
     outcome: list = [None]
     if rank == 0:
         try:
-            outcome[0] = ("ok", str(prepare_launch(config, fresh)))
-        except ConfigError as e:
+            if lease is not None:
+                lease.check_free()  # before anything is tokenized or moved
+            store = prepare_launch(config, fresh)
+            if lease is not None:
+                lease.take()
+            outcome[0] = ("ok", str(store))
+        except (ConfigError, RunInUse) as e:
             outcome[0] = ("config", str(e))
         except Exception as e:  # noqa: BLE001 - raised on every rank below, not only on rank 0
             outcome[0] = ("error", f"{type(e).__name__}: {e}")

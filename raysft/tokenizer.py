@@ -29,6 +29,10 @@ VICUNA_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
 )
 
+# One of these (or a SentencePiece *.model, a *.tiktoken) makes a directory a tokenizer: the fast tokenizer's file,
+# BPE's or WordPiece's vocabulary.
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
 
 def resolve_tokenizer_dir(model: ModelConfig) -> Path:
     name = model.tokenizer or model.path
@@ -39,6 +43,11 @@ def resolve_tokenizer_dir(model: ModelConfig) -> Path:
     path = Path(name).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model.tokenizer: {path} is not a directory with a Hugging Face tokenizer")
+    if not any(f.name in VOCABULARY_FILES or f.suffix in (".model", ".tiktoken") for f in path.iterdir()):
+        # transformers would build a tokenizer of a few special tokens from tokenizer_config.json alone
+        raise FileNotFoundError(f"model.tokenizer: {path} has no tokenizer vocabulary (none of "
+                                f"{', '.join(VOCABULARY_FILES)}, *.model; it holds "
+                                f"{sorted(p.name for p in path.iterdir())})")
     return path
 
 
@@ -54,12 +63,22 @@ def load_tokenizer(model: ModelConfig, chat_template: str = "auto") -> PreTraine
     if chat_template == "vicuna" or (chat_template == "auto" and not tokenizer.chat_template):
         tokenizer.chat_template, source = VICUNA_TEMPLATE, "the Vicuna v1.1 chat template"
     elif chat_template != "auto":
-        tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+        tokenizer.chat_template = read_template(chat_template)
         source = f"the chat template {chat_template}"
     tokenizer.chat_template_source = source  # error messages name it (raysft.labels.template_name)
     if tokenizer.pad_token is None:  # LLaMA tokenizers often have none; padding positions are masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def read_template(name: str) -> str:
+    path = Path(name).expanduser()
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise FileNotFoundError(f"data.chat_template: cannot read {path} ({type(e).__name__}: "
+                                f"{getattr(e, 'strerror', None) or e}); it is \"auto\", \"vicuna\" or the path of "
+                                "a Jinja template file") from e
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

@@ -1,6 +1,7 @@
 """Checkpoints through real Ray Train: written straight into the run directory, registered where they lie, and a
 run stopped and resumed through Ray equal, float for float, to the same run without Ray. (Elastic resume, torn
-checkpoints, async saves and export run without Ray: tests/test_run.py, tests/test_checkpointer.py.)"""
+checkpoints, async saves and export run without Ray: tests/test_run.py, tests/test_checkpointer.py; a torn
+checkpoint here, because what counts is how Ray prunes it.)"""
 
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ from conftest import STEPS, run_config, step_losses
 from safetensors.torch import load_file
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason
 from raysft.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -74,3 +75,36 @@ def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_
     weights = exported_weights(Path(result.checkpoint.path), tmp_path / "hf")
     assert weights.keys() == ref_weights.keys()
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def test_resume_skips_an_incomplete_checkpoint_and_says_so_and_ray_prunes_it_not_the_good_ones(tmp_path):
+    first = run_config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6,
+                                            "checkpoint.keep": 2})
+    raysft.train(first)
+    torn = first.run_dir / "checkpoint_00000006"
+    shard = torn / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-7])  # a shard cut short, as by a dying upload
+    with pytest.raises(CheckpointError, match="__1_0.distcp has .* bytes, the manifest says"):
+        raysft.export(torn, tmp_path / "never")
+
+    raysft.train(run_config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
+                                             "checkpoint.keep": 2}))
+    records = read_metrics(first.run_dir)
+    skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
+    assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(torn) and "__1_0.distcp" in skipped[0]["reason"]
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [3]
+    # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one. The torn
+    # one took a place among Ray's checkpoint.keep=2 (it was registered whole): Ray deleted the step-3 one only once
+    # 6.1 was registered, and the torn one once 7 was, so a complete checkpoint was there all along.
+    assert sorted(p.name for p in first.run_dir.glob("checkpoint_*") if p.is_dir()) == \
+        ["checkpoint_00000006.1", "checkpoint_00000007"]
+    assert all(incomplete_reason(p) is None for p in first.run_dir.glob("checkpoint_*") if p.is_dir())
+
+    # a flipped byte keeps the size; the checksum catches it, for export and (through the same check) for resume
+    rng = first.run_dir / "checkpoint_00000007" / "rng.safetensors"
+    data = bytearray(rng.read_bytes())
+    data[-1] ^= 0xFF
+    rng.write_bytes(bytes(data))
+    assert incomplete_reason(rng.parent) == "rng.safetensors does not match its sha256 in the manifest"
+    with pytest.raises(CheckpointError, match="rng.safetensors does not match its sha256"):
+        raysft.export(rng.parent, tmp_path / "never")

@@ -44,7 +44,10 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
         "--export", str(tmp_path / "hf"), "--prompt", "What is 2 plus 3?", env=env, stdout_file=tmp_path / "stdout")
     assert code == 0, terminal[-3000:]
     assert "\r\x1b[K" in terminal and "step 6/6" in terminal and "100%" in terminal and "| eta " in terminal
+    # Ray Train's own INFO lines (each report's metrics dict, worker-group starts) stay in Ray's logs
+    assert "TrainingReport(" not in terminal and "Requesting resources" not in terminal, terminal[-3000:]
     stdout = (tmp_path / "stdout").read_text()
+    assert "raysft: checkpoint step=3 mode=" in stdout and "raysft: a local Ray of its own; its logs: " in stdout
     assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in stdout
     assert "assistant:" in stdout and (tmp_path / "hf" / "model.safetensors").is_file()
 
@@ -83,3 +86,40 @@ def test_an_impossible_mesh_is_a_config_error_before_anything_runs(tmp_path, env
     assert out.returncode == 2
     assert "config error: config key 'parallel.hsdp_shard_size': shard-group size 3 does not divide" in out.stderr
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_second_launch_of_a_run_held_by_a_live_one_is_refused_before_anything_runs(tmp_path, env):
+    import json
+    import socket
+
+    from raysft.lease import LEASE_FILE, _start_time
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        run_dir = tmp_path / "busy"
+        run_dir.mkdir()
+        lease = {"host": socket.gethostname(), "pid": holder.pid, "started": _start_time(holder.pid),
+                 "token": "first", "heartbeat": 0}
+        (run_dir / LEASE_FILE).write_text(json.dumps(lease))
+        out = raysft("train", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=busy", "--fresh", env=env)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"RunInUse: run directory {run_dir} is in use by another launch" in out.stderr
+    assert f"pid {holder.pid}" in out.stderr and "raysft: run busy" not in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy"]  # refused first: nothing tokenized or moved
+    assert json.loads((run_dir / LEASE_FILE).read_text()) == lease
+
+
+def test_train_export_refuses_a_directory_it_did_not_export_before_training(tmp_path, env):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    out = raysft("train", "--set", f"run.storage_path={tmp_path}", "--export", str(mine), env=env)
+    assert out.returncode == 1 and f"{mine} exists and is not empty and is no raysft export" in out.stderr
+    assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "raysft-demo").exists()
+    into_run = raysft("train", "--set", f"run.storage_path={tmp_path}", "--export", str(tmp_path), "--force",
+                      env=env)
+    assert into_run.returncode == 1 and f"{tmp_path} holds the checkpoint being exported" in into_run.stderr
+    assert not (tmp_path / "raysft-demo").exists()

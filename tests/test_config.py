@@ -37,6 +37,20 @@ def test_the_shipped_demo_config_loads():
     (["checkpoint.every_n_steps=0"], "checkpoint.every_n_steps"),
     (["parallel.activation_checkpointing=some"], "parallel.activation_checkpointing"),
     (["run.name=a/b"], "run.name"),
+    (["run.name=.."], "run.name"),
+    (["run.name=."], "run.name"),
+    (["run.name=''"], "run.name"),
+    (["train.grad_clip=0"], "train.grad_clip"),
+    (["train.grad_clip=-1"], "train.grad_clip"),
+    (["train.lr=.inf"], "train.lr"),
+    (["train.lr=nan"], "train.lr"),
+    (["train.lr=0"], "train.lr"),
+    (["train.weight_decay=-1"], "train.weight_decay"),
+    (["train.weight_decay=.nan"], "train.weight_decay"),
+    (["train.betas=[0.9, .inf]"], "train.betas"),
+    (["scaling.cpus_per_worker=.inf"], "scaling.cpus_per_worker"),
+    (["model.attn_implementation=flash_attn"], "model.attn_implementation"),
+    (["model.attn_implementation=kernels-community/flash-attn"], "model.attn_implementation"),
     (["data.paths=notalist"], "data.paths"),
     (["scaling.min_workers=3"], "scaling.min_workers"),  # more than num_workers=2
     (["scaling.max_failures=-2"], "scaling.max_failures"),
@@ -44,6 +58,34 @@ def test_the_shipped_demo_config_loads():
 def test_bad_values_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_a_float_written_as_yaml_reads_it_is_accepted_in_either_form(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 3e-4\n  weight_decay: 1E-2\n")  # YAML 1.1 reads both as strings
+    cfg = load_config(path, ["train.grad_clip=5e-1"])
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip) == (3e-4, 1e-2, 0.5)
+    with pytest.raises(ConfigError, match=r"'train\.lr': expected float, got 'fast'"):
+        load_config(None, ["train.lr=fast"])
+
+
+def test_every_attention_kernel_transformers_knows_is_accepted_and_one_registered_later_too():
+    from transformers import AttentionInterface
+
+    for name in ("sdpa", "eager", "flex_attention", "flash_attention_2"):
+        assert load_config(None, [f"model.attn_implementation={name}"]).model.attn_implementation == name
+    with pytest.raises(ConfigError, match="raysft_test_kernel"):
+        load_config(None, ["model.attn_implementation=raysft_test_kernel"])
+    AttentionInterface.register("raysft_test_kernel", lambda *args, **kwargs: None)
+    assert load_config(None, ["model.attn_implementation=raysft_test_kernel"])
+
+
+def test_a_set_value_that_is_not_yaml_is_a_config_error_naming_the_item(capsys):
+    with pytest.raises(ConfigError, match=r"--set 'data\.paths=\[a\.json': the value is not valid YAML"):
+        load_config(None, ["data.paths=[a.json"])
+    assert main(["train", "--set", "train.lr: {"]) == 2  # no '=': the expected form is named
+    assert main(["train", "--set", "data.paths=[a.json"]) == 2
+    assert "data.paths=[a.json" in capsys.readouterr().err
 
 
 def test_round_trip_through_dict():

@@ -68,3 +68,14 @@ def test_errors_every_worker_would_meet_are_config_errors_before_any_worker_star
     with pytest.raises(ConfigError, match=message):
         prepare_launch(cfg)
     assert not cfg.run_dir.exists()  # nothing claimed
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_directory_raysft_did_not_create_is_neither_written_into_nor_moved(tmp_path, fresh):
+    cfg = tiny_config(tmp_path, **{"run.name": "home"})
+    (cfg.run_dir / "Documents").mkdir(parents=True)
+    (cfg.run_dir / "Documents" / "thesis.tex").write_text("years of work")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=f"{cfg.run_dir} exists and is not a raysft run directory"):
+        claim_run_dir(cfg, "data-a", fresh=fresh)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

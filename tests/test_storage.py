@@ -20,12 +20,15 @@ from transformers import AutoModelForCausalLM
 
 import raysft
 import raysft.checkpoint as ckpt_module
+from raysft import lease as lease_module
 from raysft import storage
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, StorageReader, incomplete_reason
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason
 from raysft.checkpointer import checkpoint_dirs
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
+from raysft.dcp_read import StorageReader
 from raysft.launch import FATAL_ERROR_FILE, ray_worker_context
+from raysft.lease import LEASE_FILE, RunInUse, RunLease
 from raysft.metrics import MetricsLogger, read_metrics
 from raysft.resume import RUN_FILE, claim_run_dir
 from raysft.storage import Location, location
@@ -138,6 +141,18 @@ def test_a_run_on_s3_records_what_defines_it_and_fresh_keeps_the_old_one(tmp_pat
     moved = claim_run_dir(s3_config(tmp_path, prefix, **{"train.seed": 7}), "data-a", fresh=True)
     assert str(moved).startswith(f"{prefix}/runs/t.replaced-") and (moved / "checkpoint_00000003/x").is_file()
     assert sorted((cfg.run_dir).files()) == [RUN_FILE]
+
+
+def test_a_run_on_s3_is_held_by_one_launch_at_a_time(prefix, monkeypatch):
+    monkeypatch.setattr(lease_module, "SETTLE_S", 0.1)
+    run_dir = location(f"{prefix}/runs/t")
+    with RunLease(run_dir) as first:
+        assert json.loads((run_dir / LEASE_FILE).read_text())["token"] == first.token
+        with pytest.raises(RunInUse, match=f"run directory {prefix}/runs/t is in use by another launch"):
+            RunLease(run_dir).acquire()
+    assert not (run_dir / LEASE_FILE).exists()  # released
+    with RunLease(run_dir):  # and taken again
+        pass
 
 
 def test_the_manifest_check_on_s3_compares_sizes_and_the_small_files_checksums(tmp_path, prefix):

@@ -1,0 +1,120 @@
+"""One launch per run: the lease refuses a live holder and lets a dead one's successor take over (Ray-free)."""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from raysft import lease as lease_module
+from raysft.lease import LEASE_FILE, RunInUse, RunLease, _start_time
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(lease_module, "SETTLE_S", 0.2)
+    monkeypatch.setattr(lease_module, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(lease_module, "LEASE_TIMEOUT_S", 1.5)
+
+
+def held_by(run_dir, host=None, pid=None, started=None, heartbeat=None, token="theirs"):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LEASE_FILE).write_text(json.dumps({
+        "host": host or socket.gethostname(), "pid": pid, "started": started, "token": token,
+        "heartbeat": time.time() if heartbeat is None else heartbeat}))
+
+
+@pytest.fixture
+def other_process():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_launch_on_this_host_keeps_the_run_and_the_second_is_refused(tmp_path, other_process):
+    held_by(tmp_path, pid=other_process.pid, started=_start_time(other_process.pid))
+    before = (tmp_path / LEASE_FILE).read_text()
+    with pytest.raises(RunInUse, match=f"in use by another launch \\(host {socket.gethostname()}, pid "
+                                       f"{other_process.pid}"):
+        RunLease(tmp_path).acquire()
+    assert (tmp_path / LEASE_FILE).read_text() == before
+
+
+def test_a_dead_launch_on_this_host_is_taken_over_at_once_and_released_at_the_end(tmp_path, other_process):
+    started = _start_time(other_process.pid)
+    other_process.kill()
+    other_process.wait()
+    held_by(tmp_path, pid=other_process.pid, started=started)
+    start = time.monotonic()
+    with RunLease(tmp_path) as lease:
+        assert json.loads((tmp_path / LEASE_FILE).read_text())["token"] == lease.token
+    assert time.monotonic() - start < 1.0 and not (tmp_path / LEASE_FILE).exists()
+
+
+def test_a_pid_reused_by_another_process_is_not_taken_for_the_holder(tmp_path):
+    held_by(tmp_path, pid=1, started="not the start time of pid 1")
+    with RunLease(tmp_path):
+        pass
+
+
+def test_another_hosts_launch_is_live_while_its_heartbeat_moves_and_stale_when_it_stops(tmp_path):
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.2):
+            held_by(tmp_path, host="elsewhere", pid=7)
+
+    held_by(tmp_path, host="elsewhere", pid=7)
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(RunInUse, match="host elsewhere, pid 7"):
+            RunLease(tmp_path).acquire()
+    finally:
+        stop.set()
+        beating.join()
+    start = time.monotonic()
+    with RunLease(tmp_path):  # the heartbeat stopped: taken over after watching it for LEASE_TIMEOUT_S
+        pass
+    assert 1.0 < time.monotonic() - start < 5
+    held_by(tmp_path, host="elsewhere", pid=7, heartbeat=time.time() - 3600)
+    start = time.monotonic()
+    with RunLease(tmp_path):  # long dead: at once
+        pass
+    assert time.monotonic() - start < 1.0
+
+
+def test_of_two_launches_racing_for_a_run_exactly_one_gets_it(tmp_path):
+    outcomes = []
+    leases = [RunLease(tmp_path) for _ in range(2)]
+
+    def launch(lease):
+        try:
+            lease.acquire()
+            outcomes.append("held")
+        except RunInUse:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=launch, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for lease in leases:
+        lease.release()
+    assert sorted(outcomes) == ["held", "refused"]
+
+
+def test_the_holder_renews_its_heartbeat_and_notices_when_another_takes_the_run(tmp_path):
+    with RunLease(tmp_path) as lease:
+        first = json.loads((tmp_path / LEASE_FILE).read_text())["heartbeat"]
+        time.sleep(0.5)
+        assert json.loads((tmp_path / LEASE_FILE).read_text())["heartbeat"] > first
+        held_by(tmp_path, pid=1, token="usurper")
+        time.sleep(0.5)
+        assert lease.lost
+    assert json.loads((tmp_path / LEASE_FILE).read_text())["token"] == "usurper"  # not ours to delete
