@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
         sharding, _, ac = item.partition(":")
         sets = [f"parallel.sharding={sharding}", f"parallel.activation_checkpointing={ac or 'none'}",
                 f"parallel.mixed_precision={args.mixed_precision}",
-                f"parallel.cpu_offload={str(args.cpu_offload).lower()}"]
+                f"parallel.cpu_offload={str(args.cpu_offload).lower()}",
+                # torch's FSDPMemTracker loses track of the root module when the LM head runs in the chunked loss
+                # (KeyError in its pre-backward hook, torch 2.13): measure with the full-logits loss
+                "train.loss_chunk_tokens=0"]
         if sharding == "HYBRID_SHARD":  # one host: Ray sees one node, so say how big a shard group is
             sets.append(f"parallel.hsdp_shard_size={args.workers // 2}")
         name = item.replace(":", "-ac")

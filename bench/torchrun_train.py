@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from raysft.config import TrainConfig
-from raysft.run import init_distributed, prepare_on_rank0, run_trainer
+from raysft.run import end_distributed, init_distributed, prepare_on_rank0, run_trainer
 from raysft.trainer import Trainer
 
 
@@ -35,14 +34,16 @@ def main() -> None:
     args = parser.parse_args()
     cfg = TrainConfig.from_dict(json.loads(Path(args.config).read_text()))
     ctx = init_distributed()
+    done = False
     try:
         trainer = run_trainer(cfg, prepare_on_rank0(cfg, ctx.rank, fresh=False), ctx)
         if args.profile:
             profile(trainer, Path(args.profile), args.profile_from, ctx.rank == 0)
         else:
             trainer.train()
+        done = True
     finally:
-        dist.destroy_process_group()
+        end_distributed(agreed=done)
 
 
 def profile(trainer: Trainer, out: Path, first_step: int, write: bool) -> None:

@@ -25,6 +25,7 @@ from raysft.checkpoint import (
     read_trainer_state,
 )
 from raysft.hf_export import export
+from raysft.labels import stop_token_ids
 
 Message = dict[str, str]
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -78,7 +79,7 @@ class ChatModel:
                                                     return_dict=True)
         output = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                      pad_token_id=self.tokenizer.pad_token_id,
-                                     eos_token_id=self.tokenizer.eos_token_id)
+                                     eos_token_id=stop_token_ids(self.tokenizer))  # the template's end of turn
         return self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 

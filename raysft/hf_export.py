@@ -36,11 +36,17 @@ from raysft.storage import Location, location, native
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FILE = "raysft_export.json"  # marks a directory raysft exported: which checkpoint, which step
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike,
-           overwrite: bool | Literal["export"] = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write config, tokenizer and weights (safetensors, sharded with an index above max_shard_bytes).
+           overwrite: bool | Literal["export"] = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+           dtype: Literal["fp32", "bf16", "fp16"] = "fp32") -> Path:
+    """Write config, tokenizer, generation config and weights (safetensors, sharded with an index above
+    max_shard_bytes), the weights in `dtype` (training keeps fp32 parameters; bf16 halves the export).
+
+    generation_config.json stops generation at the end-of-turn token(s) of the training chat template
+    (`<|im_end|>`, `<|eot_id|>`, ...) as well as at EOS, so `generate` ends where an answer ends.
 
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
     there piece by piece (not its optimizer state), a full one's model.safetensors is downloaded to a temporary
@@ -66,9 +72,11 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
                 (ckpt / name).download(tmp / name)
         if mode == "full":
             with local_copy(ckpt, (MODEL_FILE,)) as local:
-                _write_shards(_FullWeights(local), tmp, max_shard_bytes)
+                _write_shards(_FullWeights(local), tmp, max_shard_bytes, DTYPES[dtype])
         else:
-            _write_shards(_ShardedWeights(ckpt), tmp, max_shard_bytes)
+            _write_shards(_ShardedWeights(ckpt), tmp, max_shard_bytes, DTYPES[dtype])
+        _set_config_dtype(tmp, DTYPES[dtype])
+        write_generation_config(tmp)
         (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode},
                                                   indent=1))
         if out.exists():
@@ -117,6 +125,7 @@ class _FullWeights:
         self.path = ckpt / MODEL_FILE
         with safe_open(self.path, framework="pt") as f:
             self.sizes = {name: _nbytes(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
+            self.floating = {name: f.get_slice(name).get_dtype() in ("F64", "F32", "F16", "BF16") for name in f.keys()}  # noqa: SIM118
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         with safe_open(self.path, framework="pt") as f:
@@ -132,6 +141,7 @@ class _ShardedWeights:
         self.meta = {key.removeprefix("model."): m for key, m in metadata.items()
                      if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         self.sizes = {name: m.size.numel() * m.properties.dtype.itemsize for name, m in self.meta.items()}
+        self.floating = {name: m.properties.dtype.is_floating_point for name, m in self.meta.items()}
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         tensors = {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}
@@ -139,12 +149,15 @@ class _ShardedWeights:
         return tensors
 
 
-def _write_shards(weights: _FullWeights | _ShardedWeights, out: Path, max_shard_bytes: int) -> None:
+def _write_shards(weights: _FullWeights | _ShardedWeights, out: Path, max_shard_bytes: int,
+                  dtype: torch.dtype = torch.float32) -> None:
     """Group tensors into shards of at most max_shard_bytes (a bigger tensor gets its own), read and write one shard
-    at a time, and name and index them the way transformers' save_pretrained does."""
+    at a time (floating-point tensors cast to dtype), and name and index them the way save_pretrained does."""
+    sizes = {name: nbytes * dtype.itemsize // 4 if weights.floating[name] else nbytes
+             for name, nbytes in weights.sizes.items()}  # training's floating-point tensors are fp32
     groups: list[list[str]] = [[]]
     size = 0
-    for name, nbytes in weights.sizes.items():
+    for name, nbytes in sizes.items():
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
@@ -156,12 +169,36 @@ def _write_shards(weights: _FullWeights | _ShardedWeights, out: Path, max_shard_
         f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     for group, file_name in zip(groups, names, strict=True):
         tensors = weights.load(group)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, out / file_name, metadata={"format": "pt"})
+        save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+                  out / file_name, metadata={"format": "pt"})
         del tensors
     if len(groups) > 1:
         weight_map = {name: file_name for group, file_name in zip(groups, names, strict=True) for name in group}
         (out / INDEX_FILE).write_text(json.dumps(
-            {"metadata": {"total_size": sum(weights.sizes.values())}, "weight_map": weight_map}, indent=2))
+            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2))
+
+
+def _set_config_dtype(out: Path, dtype: torch.dtype) -> None:
+    """config.json says what the weights are, so from_pretrained loads them as they are by default."""
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def write_generation_config(out: Path) -> None:
+    """generation_config.json with the chat template's stop tokens as eos_token_id (kept from an existing one)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from raysft.labels import stop_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    existing = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None
+    config = existing or GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
+    before = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    stops = list(dict.fromkeys([*(i for i in before if i is not None), *stop_token_ids(tokenizer)]))
+    config.eos_token_id = stops[0] if len(stops) == 1 else stops
+    config.save_pretrained(out)
 
 
 def _is_dcp_file(name: str) -> bool:

@@ -38,15 +38,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
     args = parser.parse_args(argv)
     ctx = init_distributed()
+    code = 1
     try:
         launch(ctx, load_config(args.config, args.overrides), args.fresh)
+        code = 0
     except ConfigError as e:
         if ctx.rank == 0:
             print(f"raysft: config error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     finally:
-        dist.destroy_process_group()
-    return 0
+        end_distributed(agreed=code != 1)
+    return code
+
+
+def end_distributed(agreed: bool) -> None:
+    """Leave the process group; when every rank got this far the same way, only once all have (a rank that tears
+    gloo down while another still talks to it can abort that one at exit)."""
+    if agreed:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def init_distributed() -> WorkerContext:

@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,7 +147,7 @@ class Location:
                 f.write(data)
             return
         self.fs.create_dir(self.parent.path)
-        tmp = self.with_name(f".{self.name}.tmp")
+        tmp = self.with_name(f".{self.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # writers never share one
         with self.fs.open_output_stream(tmp.path) as f:
             f.write(data)
         self.fs.move(tmp.path, self.path)

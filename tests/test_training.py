@@ -162,3 +162,27 @@ def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
     for cur, nxt in zip(fp16, fp16[1:], strict=False):
         assert nxt["loss_scale"] == cur["loss_scale"] * (0.5 if cur["skipped"] else 1.0), (cur, nxt)
     assert sum(m["skipped"] for m in fp16) < STEPS // 2
+
+
+def test_export_in_bf16_with_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, gloo_pool):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from raysft.hf_export import write_generation_config
+
+    cfg = tiny_config(tmp_path, **{"train.max_steps": 2})
+    gloo_pool.run(launch, cfg)
+    out = raysft.export(cfg.run_dir / "checkpoint_00000002", tmp_path / "bf16", dtype="bf16")
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert model.dtype == torch.bfloat16 and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert GenerationConfig.from_pretrained(out).eos_token_id == tokenizer.eos_token_id  # the demo's <|end|>
+
+    # a ChatML template: generation stops at <|im_end|> as well as at EOS
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = ("{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                               "'<|im_end|>\\n' }}{%- endfor -%}")
+    tokenizer.save_pretrained(out)
+    write_generation_config(out)
+    eos = GenerationConfig.from_pretrained(out).eos_token_id
+    assert sorted(eos) == sorted([tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id])
