@@ -81,20 +81,22 @@ def config(tmp_path, name, **sets):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, tmp_path_factory):
-    """Uninterrupted runs, by number of workers: per-step losses and final weights."""
+def reference(tmp_path_factory, request):
+    """Uninterrupted runs, by number of workers: per-step losses and final weights. Trained without Ray, on gloo
+    processes: the same Trainer and collectives give the same floats (tests/test_checkpoint_ray.py holds a Ray
+    run to exactly that), and no Ray launch is spent on them."""
+    from raysft.run import launch
+
     runs = {}
 
     def get(workers: int, **sets):
         key = (workers, tuple(sorted(sets.items())))
         if key not in runs:
-            node = cluster.add_node(num_cpus=workers)
-            cluster.wait_for_nodes()
             tmp = tmp_path_factory.mktemp("reference")
             cfg = config(tmp, "reference", **{"scaling.num_workers": workers, **sets})
-            result = raysft.train(cfg)
-            cluster.remove_node(node)
-            runs[key] = (final_losses(cfg.run_dir), load_file(Path(result.checkpoint.path) / "model.safetensors"))
+            request.getfixturevalue("gloo_pool4" if workers == 4 else "gloo_pool").run(launch, cfg)
+            runs[key] = (final_losses(cfg.run_dir), load_file(cfg.run_dir / f"checkpoint_{STEPS:08d}" /
+                                                              "model.safetensors"))
         return runs[key]
 
     return get

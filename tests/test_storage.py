@@ -210,14 +210,16 @@ def export_weights(checkpoint, out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, s3, tmp_path_factory):
-    """An uninterrupted local run of 8 steps, and the same run on s3:// in three launches: stopped at step 3
-    (sharded), continued to 6 (full), then to 8 (sharded)."""
+def runs(ray_cluster, s3_processes, tmp_path_factory):
+    """An uninterrupted local run of 8 steps (without Ray: the same floats), and the same run on s3:// through Ray
+    in three launches: stopped at step 3 (sharded), continued to 6 (full), then to 8 (sharded)."""
+    from raysft.run import launch
+
     tmp = tmp_path_factory.mktemp("storage-runs")
     sets = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.keep": 9,
             "train.log_every_n_steps": 100}
     local = tiny_config(tmp, **{**sets, "run.name": "local", "checkpoint.mode": "sharded"})
-    raysft.train(local)
+    s3_processes.run(launch, local)
     remote = s3_config(tmp, f"s3://{BUCKET}/e2e", **{**sets, "run.name": "remote"})
     results = [raysft.train(s3_config(tmp, f"s3://{BUCKET}/e2e", **{**sets, "run.name": "remote", **leg}))
                for leg in ({"checkpoint.mode": "sharded", "train.stop_at_step": 3},
