@@ -68,7 +68,11 @@ def run_torchrun(setup: Setup, cfg, profile: Path | None = None) -> list[dict]:
     config_file = setup.work / f"{cfg.run.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
     extra = ["--profile", str(profile), "--profile-from", str(setup.args.warmup + 1)] if profile else []
-    torchrun([str(BENCH_DIR / "torchrun_train.py"), str(config_file), *extra], setup.args.workers)
+    def finished() -> bool:
+        rows = [m for m in read_metrics(cfg.run_dir) if "tokens" in m]
+        return bool(rows) and rows[-1]["step"] == cfg.train.max_steps and (profile is None or profile.is_file())
+
+    torchrun([str(BENCH_DIR / "torchrun_train.py"), str(config_file), *extra], setup.args.workers, finished)
     return [m for m in read_metrics(cfg.run_dir) if "tokens" in m]
 
 
@@ -82,7 +86,8 @@ def run_hf(setup: Setup, name: str) -> list[dict]:
             "grad_accum": a.global_batch // ((a.hf_micro_batch or a.micro_batch) * a.workers), "steps": a.steps,
             "lr": 1e-4, "warmup": 2, "seed": 0, "mixed_precision": a.mixed_precision, "gpu": a.gpu}
     (out / "args.json").write_text(json.dumps(args))
-    torchrun([str(BENCH_DIR / "hf_trainer.py"), str(out / "args.json")], a.workers)
+    torchrun([str(BENCH_DIR / "hf_trainer.py"), str(out / "args.json")], a.workers,
+             lambda: all((out / f"hf.rank{r}.json").is_file() for r in range(a.workers)))
     ranks = [json.loads((out / f"hf.rank{r}.json").read_text()) for r in range(a.workers)]
     rows, previous = [], 0
     for step_rows in zip(*ranks, strict=True):
@@ -93,13 +98,25 @@ def run_hf(setup: Setup, name: str) -> list[dict]:
     return rows
 
 
-def torchrun(args: list[str], workers: int) -> None:
+def torchrun(args: list[str], workers: int, finished=lambda: False) -> None:
+    """Run the workers under torchrun. A worker that aborts (SIGABRT) only while its process exits, after `finished`
+    shows that every result was written, is reported and its results kept: on this CPU build a gloo process group
+    torn down at interpreter exit has been seen to end in `terminate called without an active exception`, in our
+    workers and in the HF Trainer's alike."""
     # Ray gives each worker OMP_NUM_THREADS = its CPUs (1); torchrun sets 1 only for more than one process
     env = {"OMP_NUM_THREADS": "1", **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-                    *args], env=env, check=True, stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE")
-                    else None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={workers}", *args], env=env, text=True, stderr=subprocess.PIPE,
+                          stdout=subprocess.DEVNULL if not os.environ.get("BENCH_VERBOSE") else None)
+    if done.returncode == 0:
+        return
+    if "exitcode  : -6" in done.stderr and finished():
+        print(f"bench: {args[0]}: a worker aborted while exiting, after writing every result; kept",
+              file=sys.stderr, flush=True)
+        return
+    sys.stderr.write(done.stderr)
+    raise subprocess.CalledProcessError(done.returncode, args)
 
 
 def computed_per_real_token(rows: list[dict], warmup: int) -> float:
