@@ -463,7 +463,8 @@ def _run_now(write) -> Future:
     return future
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -492,7 +493,7 @@ def _durable_file_list(out_dir: Path, owner: int | None = None) -> dict[str, dic
             for f in sorted(out_dir.rglob("*"))
             if f.is_file() and (owner is None or _owned_by(str(f.relative_to(out_dir)), owner))}
     for name in mine:
-        _fsync(out_dir / name)
+        fsync(out_dir / name)
     return mine
 
 
@@ -506,9 +507,9 @@ def _write_manifest(out_dir: Path, step: int, everyone: list[dict]) -> None:
             files[name] = entry
     tmp = out_dir / f".{MANIFEST_FILE}.tmp"
     tmp.write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": files}, indent=1))
-    _fsync(tmp)
+    fsync(tmp)
     tmp.rename(out_dir / MANIFEST_FILE)
-    _fsync(out_dir)
+    fsync(out_dir)
 
 
 def _gather_rng_states() -> dict[str, torch.Tensor]:

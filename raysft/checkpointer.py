@@ -36,6 +36,7 @@ from raysft.checkpoint import (
     TrainingObjects,
     TrainState,
     choose_mode,
+    fsync,
     incomplete_reason,
     load,
     start_save,
@@ -185,7 +186,7 @@ class DirectorySink:
         if self.rank == 0:
             try:
                 os.replace(staged, final)
-                _fsync_dir(self.run_dir)
+                fsync(self.run_dir)  # the rename itself is durable
                 with contextlib.suppress(OSError):  # the staging area, once empty, goes too
                     staged.parent.rmdir()
                 if self.keep:
@@ -267,14 +268,6 @@ class UploadSink:
 
     def report(self, metrics: dict, step: int) -> None:
         pass
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
