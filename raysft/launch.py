@@ -2,7 +2,7 @@
 and preemption notices to the Ray-free training loop in raysft.trainer.
 
 Checkpoints on a local or shared (NFS) run.storage_path are written once, by the workers, straight into the run
-directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpointer's
+directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpoint's
 DirectorySink); on remote storage (s3://, ...) each worker writes node-local scratch that Ray uploads."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from ray.train import (
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
-from raysft.checkpoint import CheckpointSaveError
-from raysft.checkpointer import (
+from raysft.checkpoint import (
+    CheckpointSaveError,
     DirectorySink,
     ScratchSink,
     Sink,
@@ -228,10 +228,7 @@ def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
     """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes to checkpoint.keep);
     on remote storage, Ray's upload from node-local scratch."""
     if isinstance(cfg.run_dir, Path):
-        sink = DirectorySink(cfg.run_dir, rank, taken=taken, on_commit=register_with_ray, on_report=ray.train.report)
-        if rank == 0:
-            sink.clear_staging()  # parts of a launch killed in a save; taken before any rank stages
-        return sink
+        return DirectorySink(cfg.run_dir, rank, taken=taken, on_commit=register_with_ray, on_report=ray.train.report)
     return ScratchSink(lambda metrics, ckpt, step: ray_report(metrics, ckpt, step, taken),
                        scratch_root(cfg.run.name, cfg.run_dir))
 

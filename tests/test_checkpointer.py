@@ -13,8 +13,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, auto_mode, incomplete_reason
-from raysft.checkpointer import STAGING_DIR, DirectorySink, checkpoint_dirs
+from raysft.checkpoint import (
+    MANIFEST_FILE,
+    STAGING_DIR,
+    CheckpointError,
+    DirectorySink,
+    auto_mode,
+    checkpoint_dirs,
+    incomplete_reason,
+)
 from raysft.data import prepare_store
 from raysft.hf_export import INDEX_FILE
 from raysft.run import launch
@@ -42,7 +49,7 @@ def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, g
 def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
     """Async saves hold the state of the step they were asked for while training goes on, and a write that fails
     in the background fails the save on every rank and leaves nothing of it behind."""
-    import raysft.checkpoint as ckpt_module
+    import raysft.checkpoint.full as ckpt_module
 
     trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     checkpointer = trainer.checkpointer

@@ -25,8 +25,7 @@ from fault_injection import COORDINATOR_TICK_S, FAULTS_ENV, arm
 from safetensors.torch import load_file
 
 import raysft
-from raysft.checkpoint import CheckpointSaveError
-from raysft.checkpointer import checkpoint_dirs
+from raysft.checkpoint import CheckpointSaveError, checkpoint_dirs
 from raysft.config import ConfigError
 from raysft.launch import CannotPlaceWorkers
 from raysft.metrics import read_metrics

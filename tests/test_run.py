@@ -12,8 +12,7 @@ from conftest import REPO, STEPS, run_config, step_losses
 from safetensors.torch import load_file
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE
-from raysft.checkpointer import STAGING_DIR, checkpoint_dirs
+from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, checkpoint_dirs
 from raysft.metrics import read_metrics
 from raysft.run import launch
 

@@ -1,0 +1,65 @@
+"""Checkpoint names in a run directory, finding the one to resume from, and pruning old ones."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch.distributed as dist
+
+from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason
+from raysft.storage import Location, location, native
+
+CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
+
+
+def checkpoint_name(step: int, taken: frozenset[str] | set[str] = frozenset()) -> str:
+    """checkpoint_<step, 8 digits>; a step saved again after resuming from an older checkpoint gets .1, .2, ...
+    (the earlier directory of that step stays whole until it is pruned)."""
+    name = base = f"{CHECKPOINT_PREFIX}{step:08d}"
+    n = 0
+    while name in taken:
+        n += 1
+        name = f"{base}.{n}"
+    return name
+
+
+def checkpoint_dirs(run_dir: Path | Location) -> list[Path | Location]:
+    """The run's checkpoint directories, oldest first (their names sort by step)."""
+    return [native(d) for d in location(run_dir).dirs(CHECKPOINT_PREFIX)]
+
+
+def find_resume_dir(run_dir: Path | Location, rank: int) -> tuple[Path | Location | None, list[tuple[str, str]]]:
+    """Collective: the run's newest complete checkpoint, and the (path, reason) of each newer, incomplete one
+    skipped. Rank 0 checks each against its manifest; None if there is none (a fresh start).
+
+    Complete is what counts, not registered with Ray: a worker that dies just after a save can take Ray's record
+    of it along, but its directory, with every file its manifest lists, is a whole checkpoint, and starting from an
+    older one would lose the steps between.
+    """
+    result: list = [None, []]
+    if rank == 0:
+        for candidate in reversed(checkpoint_dirs(run_dir)):
+            reason = incomplete_reason(candidate)
+            if reason is None:
+                result[0] = candidate.name
+                break
+            result[1].append((str(candidate), reason))
+    dist.broadcast_object_list(result, src=0)
+    return (run_dir / result[0] if result[0] else None), result[1]
+
+
+def existing_checkpoint_names(run_dir: Path | Location, rank: int) -> frozenset[str]:
+    """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
+    names = [[p.name for p in checkpoint_dirs(run_dir)] if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    return frozenset(names[0])
+
+
+def prune(run_dir: Path | Location, keep: int) -> None:
+    """Delete the oldest complete checkpoints beyond `keep` (never the latest), local or on remote storage. Best
+    effort: a checkpoint that could not be deleted is only one more kept."""
+    complete = [d for d in location(run_dir).dirs(CHECKPOINT_PREFIX) if (d / MANIFEST_FILE).is_file()]
+    for old in complete[:-keep]:
+        with contextlib.suppress(OSError):
+            old.fs.delete_dir(old.path)
