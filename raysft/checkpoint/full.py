@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from raysft.checkpoint.background import background, run_now
-from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
+from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
 from raysft.storage import Location, location
 
@@ -56,17 +55,53 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
                 scalars[f"{fqn}/{key}"] = value
     optimizer_json = json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars})
 
-    def write() -> None:
-        save_file(model, out_dir / MODEL_FILE, metadata={"format": "pt"})
-        save_file(tensors, out_dir / OPTIMIZER_FILE)
+    def write() -> dict[str, str]:
+        hashes = {MODEL_FILE: write_safetensors(out_dir / MODEL_FILE, model, metadata={"format": "pt"}),
+                  OPTIMIZER_FILE: write_safetensors(out_dir / OPTIMIZER_FILE, tensors)}
         (out_dir / OPTIMIZER_META_FILE).write_text(optimizer_json)
+        return hashes
 
     if not asynchronous:
         return run_now(write)
-    # a gathered tensor may share memory with a live one (a mesh of one shard): copy before training goes on
-    model = {k: v.clone() for k, v in model.items()}
-    tensors = {k: v.clone() for k, v in tensors.items()}
+    # a gathered tensor shares memory with the live one where nothing was sharded (one rank, NO_SHARD on CPU):
+    # copy those, and only those, before training goes on
+    live = {t.untyped_storage().data_ptr() for t in _local_tensors(objs)}
+    model = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in model.items()}
+    tensors = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in tensors.items()}
     return background().submit(write)
+
+
+def _local_tensors(objs: TrainingObjects) -> list[torch.Tensor]:
+    """This rank's own storage of the parameters and the optimizer state."""
+    found = [*objs.model.parameters(), *(v for s in objs.optimizer.state.values() for v in s.values())]
+    return [getattr(t, "_local_tensor", t) for t in found if isinstance(t, torch.Tensor)]
+
+
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file straight from the tensors' memory, hashing it on the way; returns its sha256.
+    safetensors' own save_file first copies every tensor into one bytes object: a second copy of the whole state
+    on rank 0, and a second pass over it. The file is read back with safetensors (load_file) as ever."""
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks
+    with path.open("wb") as f:
+        out = HashingWriter(f)
+        out.write(len(encoded).to_bytes(8, "little"))
+        out.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                out.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+        return out.hexdigest()
 
 
 def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:

@@ -29,7 +29,8 @@ from raysft.checkpoint.state import (
 from raysft.collectives import count_ranks
 from raysft.storage import Location
 
-BACKENDS = {"full": full, "sharded": sharded}  # each: save(out_dir, objs, asynchronous) -> Future; load(dir, objs)
+# each: save(out_dir, objs, asynchronous) -> Future of {file: sha256} hashed while written; load(ckpt_dir, objs)
+BACKENDS = {"full": full, "sharded": sharded}
 TRAINING_FILES = (OPTIMIZER_FILE, OPTIMIZER_META_FILE, RNG_FILE, STATE_FILE, MANIFEST_FILE)  # not for inference
 
 
@@ -43,7 +44,14 @@ class PendingSave:
         self.bytes_written = 0  # on rank 0 once finished: the size of the whole checkpoint, every rank's files
         # writing in the background: flushing, listing and hashing the files happen there too, off training's path
         writing = not all(f.done() for f in futures)
-        self.listing = chain(futures, lambda: durable_file_list(out_dir, owner)) if writing else None
+        self.listing = chain(futures, self._list_files) if writing else None
+
+    def _list_files(self) -> dict[str, dict]:
+        """This rank's files, flushed, with the sha256 of those the backend hashed while writing them."""
+        hashed = {}
+        for future in self.futures:
+            hashed.update(future.result() or {})
+        return durable_file_list(self.out_dir, self.owner, hashed)
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures) and (self.listing is None or self.listing.done())
@@ -58,7 +66,7 @@ class PendingSave:
                 error = error or e
         self._raise_if_any_rank_failed(error)
         try:
-            mine = self.listing.result() if self.listing else durable_file_list(self.out_dir, self.owner)
+            mine = self.listing.result() if self.listing else self._list_files()
         except OSError as e:
             mine, error = {}, e
         everyone: list[dict] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None

@@ -4,10 +4,12 @@ never loaded, exported or counted as a checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 from pathlib import Path
+from typing import BinaryIO
 
 from raysft.checkpoint.state import FORMAT_VERSION, CheckpointError
 from raysft.storage import Location, location
@@ -99,15 +101,34 @@ def _owned_by(name: str, rank: int) -> bool:
     return int(match[1]) == rank if match else rank == 0
 
 
-def durable_file_list(out_dir: Path, owner: int | None = None) -> dict[str, dict]:
+class HashingWriter:
+    """A file being written whose sha256 is computed on the way, so that the manifest needs no second read of it."""
+
+    def __init__(self, f: BinaryIO):
+        self._f, self._hash = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        written = self._f.write(data)  # a buffered file writes all of it
+        self._hash.update(data)
+        return written
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+
+def durable_file_list(out_dir: Path, owner: int | None = None, hashed: dict[str, str] | None = None) -> dict[str, dict]:
     """This rank's files (all in its own directory; those it wrote in a shared one), flushed to disk, with their
-    sizes and sha256."""
+    sizes and sha256: from `hashed` ({name: sha256} of the files hashed as they were written), else read."""
+    hashed = hashed or {}
     mine = {}
     for f in sorted(out_dir.rglob("*")):
         name = str(f.relative_to(out_dir))
         if f.is_file() and (owner is None or _owned_by(name, owner)):
             fsync(f)
-            mine[name] = {"size": f.stat().st_size, "sha256": location(f).sha256()}
+            mine[name] = {"size": f.stat().st_size, "sha256": hashed.get(name) or location(f).sha256()}
     return mine
 
 
