@@ -40,7 +40,7 @@ from raysft.checkpoint import (
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.lease import RunLease
-from raysft.local_ray import start_local_ray
+from raysft.local_ray import connect
 from raysft.resume import prepare_launch
 from raysft.storage import location, use_filesystem
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
@@ -121,12 +121,8 @@ def _fit(config: TrainConfig, store: Path) -> Result:
 def connect_ray(scaling: RaysftScaling) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
     with just enough logical CPUs for the workers."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        temp = start_local_ray(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+    temp = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+    if temp:
         print(f"raysft: a local Ray of its own; its logs: {temp}/ray/session_latest/logs", flush=True)
 
 

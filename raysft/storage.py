@@ -19,6 +19,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow.fs as pafs
 
@@ -158,8 +159,7 @@ class Location:
     def sha256(self) -> str:
         h = hashlib.sha256()
         with self.fs.open_input_stream(self.path) as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+            hash_stream(f, h)
         return h.hexdigest()
 
     # --- directories, whole files ---
@@ -197,10 +197,16 @@ class Location:
         h = hashlib.sha256()
         dest.parent.mkdir(parents=True, exist_ok=True)
         with self.fs.open_input_stream(self.path) as f, dest.open("wb") as out:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
+            hash_stream(f, h, copy_to=out)
         return h.hexdigest()
+
+
+def hash_stream(stream: BinaryIO, h: hashlib._Hash, copy_to: BinaryIO | None = None) -> None:
+    """Feed a readable stream into a hash in 1 MiB chunks, copying each to copy_to on the way if given."""
+    while chunk := stream.read(1 << 20):
+        h.update(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
 
 
 def scratch_file(prefix: str, suffix: str = "") -> Path:

@@ -9,13 +9,12 @@ import shutil
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from torch import nn
 
 from raysft.checkpoint.layouts import PendingSave, load, start_save
 from raysft.checkpoint.sinks import Sink
 from raysft.checkpoint.state import CheckpointSaveError, TrainingObjects, TrainState
-from raysft.collectives import all_ranks
+from raysft.collectives import all_ranks, from_rank0
 from raysft.config import CheckpointConfig
 from raysft.storage import Location
 
@@ -26,11 +25,7 @@ def choose_mode(mode: str, model: nn.Module) -> str:
     if mode != "auto":
         return mode
     numel = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size, the same on every rank
-    pick = [None]
-    if dist.get_rank() == 0:
-        pick[0] = auto_mode(12 * numel, available_memory_bytes())
-    dist.broadcast_object_list(pick, src=0)
-    return pick[0]
+    return from_rank0(lambda: auto_mode(12 * numel, available_memory_bytes()))
 
 
 def auto_mode(state_bytes: int, available_bytes: int) -> str:

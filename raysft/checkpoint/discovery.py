@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-import torch.distributed as dist
-
 from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason
+from raysft.collectives import from_rank0
 from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
@@ -37,23 +36,22 @@ def find_resume_dir(run_dir: Path | Location, rank: int) -> tuple[Path | Locatio
     of it along, but its directory, with every file its manifest lists, is a whole checkpoint, and starting from an
     older one would lose the steps between.
     """
-    result: list = [None, []]
-    if rank == 0:
+    def newest_complete() -> tuple[str | None, list[tuple[str, str]]]:
+        skipped = []
         for candidate in reversed(checkpoint_dirs(run_dir)):
             reason = incomplete_reason(candidate)
             if reason is None:
-                result[0] = candidate.name
-                break
-            result[1].append((str(candidate), reason))
-    dist.broadcast_object_list(result, src=0)
-    return (run_dir / result[0] if result[0] else None), result[1]
+                return candidate.name, skipped
+            skipped.append((str(candidate), reason))
+        return None, skipped
+
+    name, skipped = from_rank0(newest_complete)
+    return (run_dir / name if name else None), skipped
 
 
 def existing_checkpoint_names(run_dir: Path | Location, rank: int) -> frozenset[str]:
     """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
-    names = [[p.name for p in checkpoint_dirs(run_dir)] if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    return frozenset(names[0])
+    return frozenset(from_rank0(lambda: [p.name for p in checkpoint_dirs(run_dir)]))
 
 
 def prune(run_dir: Path | Location, keep: int) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from raysft.checkpoint.discovery import checkpoint_name, prune
 from raysft.checkpoint.manifest import MANIFEST_FILE, fsync
 from raysft.checkpoint.state import CheckpointSaveError
-from raysft.collectives import count_ranks
+from raysft.collectives import count_ranks, from_rank0
 from raysft.storage import Location
 
 STAGING_DIR = ".staging"
@@ -134,22 +134,23 @@ class DirectorySink:
 
     def commit(self, staged: Path, step: int, metrics: dict, wrote: bool) -> None:
         final = self.run_dir / staged.name
-        error: list = [None]
-        if self.rank == 0:
+
+        def rename() -> str | None:
             try:
                 os.replace(staged, final)
                 fsync(self.run_dir)  # the rename itself is durable
-                with contextlib.suppress(OSError):  # the staging area, once empty, goes too
-                    staged.parent.rmdir()
             except OSError as e:
-                error[0] = f"{final}: {e}"
-            else:
-                if self.keep:
-                    prune(self.run_dir, self.keep)
-        dist.broadcast_object_list(error, src=0)
-        if error[0]:
+                return f"{final}: {e}"
+            with contextlib.suppress(OSError):  # the staging area, once empty, goes too
+                staged.parent.rmdir()
+            if self.keep:
+                prune(self.run_dir, self.keep)
+            return None
+
+        error = from_rank0(rename)
+        if error:
             self.discard(staged)
-            raise CheckpointSaveError(f"committing the checkpoint of step {step} failed: {error[0]}")
+            raise CheckpointSaveError(f"committing the checkpoint of step {step} failed: {error}")
         if self.on_commit is not None:
             self.on_commit(final if self.rank == 0 else None, metrics)
 
