@@ -12,11 +12,13 @@ are never part of it and come from each process's environment (AWS_* variables, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -207,6 +209,23 @@ def hash_stream(stream: BinaryIO, h: hashlib._Hash, copy_to: BinaryIO | None = N
         h.update(chunk)
         if copy_to is not None:
             copy_to.write(chunk)
+
+
+@contextlib.contextmanager
+def built_then_renamed(final: Path, replace: Callable[[Path], bool] = lambda existing: True) -> Iterator[Path]:
+    """A new directory beside `final` to build in, renamed onto `final` when the block completes: a crash never
+    leaves a half-built directory under the final name. An existing `final` is removed first if `replace(final)`
+    says so (else the rename fails with OSError). If the block or the rename fails, the new directory goes."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists() and replace(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def scratch_file(prefix: str, suffix: str = "") -> Path:
