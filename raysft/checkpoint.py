@@ -43,7 +43,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -56,6 +55,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from raysft.collectives import count_ranks, default_device
 from raysft.dataloader import DataCursor
 from raysft.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
+from raysft.lora import check_adapter_names, state_dict_options
 from raysft.storage import Location, location
 
 FORMAT_VERSION = 1
@@ -63,8 +63,8 @@ MODEL_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "trainer_state.json"
 TRAINING_FILES = ("optimizer.safetensors", "optimizer.json", "rng.safetensors", STATE_FILE, MANIFEST_FILE)
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+_GATHER = dict(full_state_dict=True, cpu_offload=True)  # StateDictOptions, made by state_dict_options(model)
+_BROADCAST = dict(full_state_dict=True, broadcast_from_rank0=True)
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -94,6 +94,7 @@ class TrainingObjects:
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     aliases: dict[str, str]  # tied parameters: {alias: canonical name}
+    lora: dict | None = None  # LoRA (raysft.lora.record): the checkpoint holds only the adapters
 
 
 def choose_mode(mode: str, model: nn.Module) -> str:
@@ -218,6 +219,7 @@ def _write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Tra
         "scheduler": objs.scheduler.state_dict(),
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
+        **({"lora": objs.lora} if objs.lora else {}),
     }, indent=1))
 
 
@@ -314,8 +316,8 @@ def manifest_problem(manifest: object) -> str | None:
 # --- full: gathered to rank 0 -------------------------------------------------------------------------------------
 
 def _save_full(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
-    model_sd = get_model_state_dict(objs.model, options=_GATHER)
-    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=_GATHER)
+    model_sd = get_model_state_dict(objs.model, options=state_dict_options(objs.model, **_GATHER))
+    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=state_dict_options(objs.model, **_GATHER))
     if dist.get_rank() != 0:
         return _run_now(lambda: None)
     for alias in objs.aliases:
@@ -352,10 +354,14 @@ def _load_full(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
         with local_copy(ckpt_dir, (MODEL_FILE, "optimizer.safetensors", "optimizer.json")) as local:
             model_sd = _read_safetensors(local / MODEL_FILE)
             for alias, canonical in objs.aliases.items():
-                model_sd[alias] = model_sd[canonical]
+                if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
+                    model_sd[alias] = model_sd[canonical]
+            if objs.lora:
+                check_adapter_names(objs.model, model_sd, str(ckpt_dir))
             optim_sd = _read_optimizer(local)
-    set_model_state_dict(objs.model, model_sd, options=_BROADCAST)
-    set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=_BROADCAST)
+    options = state_dict_options(objs.model, **_BROADCAST)
+    set_model_state_dict(objs.model, model_sd, options=options)
+    set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
 
 
 @contextlib.contextmanager
@@ -395,7 +401,7 @@ def _read_optimizer(ckpt_dir: Path) -> dict:
 # --- sharded: torch.distributed.checkpoint ------------------------------------------------------------------------
 
 def _save_sharded(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
-    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer, options=state_dict_options(objs.model))
     # each rank writes __<rank>_0.distcp into its own directory; the planner writes a replicated tensor once
     if not asynchronous:
         return _run_now(lambda: dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=out_dir))
@@ -419,14 +425,15 @@ def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None
 
 
 def _load_sharded(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
-    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)  # this topology's shards, to be filled
+    options = state_dict_options(objs.model)  # LoRA: the adapters only; DCP refuses a checkpoint that lacks one
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer, options=options)  # this topology's shards
     reader = dcp_reader(ckpt_dir)
     read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
     try:
         dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
         raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {_first_failure(e)}") from e
-    set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
 # --- background writing, manifest, RNG -----------------------------------------------------------------------------

@@ -109,5 +109,8 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
 
 def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
     """Collective: rank 0 builds the full model on CPU and broadcasts it; every rank keeps only its shards."""
-    full_sd = build_full_model(cfg, config, seed).state_dict() if dist.get_rank() == 0 else {}
+    from raysft.lora import add_adapters  # LoRA: the adapters' initial values come along, seeded
+
+    full_sd = add_adapters(build_full_model(cfg, config, seed), cfg.lora, seed).state_dict() \
+        if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -1,0 +1,125 @@
+"""LoRA (model.lora) on FSDP2 with real peft and real gloo collectives (reused process pools, no Ray): training,
+checkpoints that hold only the adapters, exact resume, and both exports."""
+
+import json
+
+import pytest
+import torch
+from conftest import STEPS, run_config, step_losses
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import raysft
+from raysft.chat import ChatModel
+from raysft.checkpoint import STATE_FILE, read_index
+from raysft.checkpointer import checkpoint_dirs
+from raysft.config import ConfigError, ModelConfig, load_config
+from raysft.lora import is_adapter
+from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from raysft.metrics import read_metrics
+from raysft.model import build_full_model
+from raysft.run import launch, prepare_on_rank0, run_trainer
+
+peft = pytest.importorskip("peft")
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "[q_proj, v_proj, down_proj]",
+        "train.lr": 1e-2, "train.warmup_steps": 1}
+IDS = torch.tensor([[1, 5, 9, 23, 42, 77, 100, 3]])
+
+
+def _train_and_logits(ctx, cfg) -> torch.Tensor:
+    """Collective: one launch, then the live (sharded) model's logits on IDS."""
+    trainer = run_trainer(cfg, prepare_on_rank0(cfg, ctx.rank, False), ctx)
+    trainer.train()
+    trainer.model.eval()
+    with torch.no_grad():
+        return trainer.model(input_ids=IDS).logits
+
+
+@pytest.fixture(scope="module")
+def reference(gloo_pool, tmp_path_factory):
+    """An uninterrupted LoRA run, full checkpoints, from scratch: its losses, its run dir and its final logits."""
+    cfg = run_config(tmp_path_factory.mktemp("lora"), "reference", **{**LORA, "checkpoint.mode": "full"})
+    logits = gloo_pool.run(_train_and_logits, cfg)[0]
+    return step_losses(cfg.run_dir), cfg.run_dir, logits
+
+
+def test_lora_training_lowers_the_loss_and_checkpoints_only_the_adapters(reference):
+    losses, run_dir, _ = reference
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    first, last = losses[0][1], sum(v for _, v in losses[-3:]) / 3
+    assert last < first - 0.1, losses
+    ckpt = checkpoint_dirs(run_dir)[-1]
+    weights, optim = load_file(ckpt / "model.safetensors"), load_file(ckpt / "optimizer.safetensors")
+    # 4 layers × 3 adapted modules × (A, B); AdamW's step and two moments for each of them, nothing else
+    assert len(weights) == 24 and all(is_adapter(k) for k in weights), sorted(weights)[:4]
+    assert {k.rpartition("/")[0] for k in optim} == set(weights) and len(optim) == 3 * 24
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                             "base": {"path": "", "seed": 0}}
+    assert json.loads((run_dir / "raysft_run.json").read_text())["model.lora"]["r"] == 4
+
+
+def test_lora_stop_and_resume_across_modes_is_bit_identical(tmp_path, gloo_pool, reference):
+    """Sharded (async) to step 4, full to step 8, sharded to the end: the frozen base is rebuilt on every launch,
+    the adapters, their AdamW state and the RNG come from the checkpoint; losses and adapters equal, bit for bit."""
+    ref_losses, ref_dir, _ = reference
+    for sets in ({"checkpoint.mode": "sharded", "checkpoint.async": True, "train.stop_at_step": 4},
+                 {"checkpoint.mode": "full", "train.stop_at_step": 8}, {"checkpoint.mode": "sharded"}):
+        gloo_pool.run(launch, cfg := run_config(tmp_path, "resumed", **{**LORA, "checkpoint.keep": 9, **sets}))
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [4, 8]
+    assert step_losses(cfg.run_dir) == ref_losses
+    sharded = cfg.run_dir / f"checkpoint_{STEPS:08d}"
+    index = read_index(sharded).state_dict_metadata
+    model_keys = {k.removeprefix("model.") for k in index if k.startswith("model.")}
+    assert len(model_keys) == 24 and all(is_adapter(k) for k in model_keys)
+    assert all(is_adapter(k.split(".", 2)[2]) for k in index if k.startswith("optimizer.state."))
+    # 15k adapter parameters × 3 (weights, 2 moments) and DCP's ~0.5 kB per tensor piece; the base alone is 4.8 MB
+    assert sum(p.stat().st_size for p in sharded.glob("*.distcp")) < 600_000
+    mine = raysft.export(sharded, tmp_path / "a")
+    theirs = raysft.export(checkpoint_dirs(ref_dir)[-1], tmp_path / "b")
+    a, b = load_file(mine / ADAPTER_WEIGHTS), load_file(theirs / ADAPTER_WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(RuntimeError, match="ConfigError: .*model.lora must match"):  # part of the run identity
+        gloo_pool.run(launch, run_config(tmp_path, "resumed", **{**LORA, "model.lora.r": 8}))
+
+
+def test_merged_and_adapter_exports_give_the_live_models_logits(tmp_path, reference):
+    """From the full checkpoint of a run trained from scratch: the merged export loads in transformers, the adapter
+    export in peft on top of the seeded base, and both give the logits the sharded model computed."""
+    _, run_dir, live = reference
+    ckpt = checkpoint_dirs(run_dir)[-1]
+    merged = raysft.export(ckpt, tmp_path / "merged", merge=True)
+    assert not (merged / ADAPTER_CONFIG).exists()
+    model = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=IDS).logits, live, rtol=1e-4, atol=1e-4)
+
+    adapter = raysft.export(ckpt, tmp_path / "adapter")
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= {p.name for p in adapter.iterdir()}
+    assert not (adapter / "model.safetensors").exists()
+    base = build_full_model(ModelConfig(), AutoConfig.from_pretrained(adapter), seed=0)
+    with torch.no_grad():  # the adapters matter: the base alone gives other logits
+        assert not torch.allclose(base(input_ids=IDS).logits, live, atol=1e-2)
+    peft_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=IDS).logits, live, rtol=1e-4, atol=1e-4)
+    # raysft chat takes the adapter directory, the merged model and the checkpoint, and they answer alike
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = {ChatModel.load(p).reply(messages, max_new_tokens=8) for p in (adapter, merged, ckpt)}
+    assert len(answers) == 1, answers
+    full_ft = tmp_path / "full-ft"  # a full fine-tuning checkpoint's state: no adapters to merge
+    full_ft.mkdir()
+    (full_ft / STATE_FILE).write_text(json.dumps({"format_version": 1, "mode": "full", "step": 1, "cursor": {},
+                                                  "scheduler": {}, "world_size": 1}))
+    with pytest.raises(ValueError, match="--merge applies to LoRA checkpoints"):
+        raysft.export(full_ft, tmp_path / "no", merge=True)
+
+
+def test_a_missing_peft_is_a_config_error_naming_the_key_and_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"'model.lora'.*raysft\[lora\]"):
+        load_config(None, ["model.lora.r=8"])
+    load_config(None, ["model.lora.r=0"])  # full fine-tuning does not need it
