@@ -2,23 +2,27 @@
 checkpoints that hold only the adapters, exact resume, and both exports."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEPS, run_config, step_losses
+from conftest import STEPS, run_config, step_losses, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import raysft
 from raysft.chat import ChatModel
 from raysft.checkpoint import STATE_FILE, read_index
-from raysft.checkpointer import checkpoint_dirs
-from raysft.config import ConfigError, ModelConfig, load_config
+from raysft.checkpointer import DirectorySink, checkpoint_dirs
+from raysft.config import ConfigError, ModelConfig, TrainConfig, load_config
+from raysft.data import prepare_store
 from raysft.lora import is_adapter
 from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model
 from raysft.run import launch, prepare_on_rank0, run_trainer
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
 
 peft = pytest.importorskip("peft")
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "[q_proj, v_proj, down_proj]",
@@ -113,6 +117,54 @@ def test_merged_and_adapter_exports_give_the_live_models_logits(tmp_path, refere
                                                   "scheduler": {}, "world_size": 1}))
     with pytest.raises(ValueError, match="--merge applies to LoRA checkpoints"):
         raysft.export(full_ft, tmp_path / "no", merge=True)
+
+
+STRATEGY_VARIANTS = [  # (sharding, activation checkpointing, mixed precision, packing): all of it with LoRA
+    ("FULL_SHARD", "full", "bf16", True), ("SHARD_GRAD_OP", "none", "fp32", False),
+    ("HYBRID_SHARD", "2", "fp32", False), ("NO_SHARD", "full", "fp32", False)]
+
+
+def _train_each_strategy(ctx, config: dict, store: Path) -> None:
+    for sharding, ac, precision, packing in STRATEGY_VARIANTS:
+        cfg = TrainConfig.from_dict(config)
+        p = cfg.parallel
+        p.sharding, p.activation_checkpointing, p.mixed_precision = sharding, ac, precision
+        p.hsdp_shard_size, cfg.data.packing = 2 if sharding == "HYBRID_SHARD" else 0, packing
+        cfg.run.name = f"{sharding}-{ac}-{precision}"
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx).train()
+
+
+def test_lora_trains_alike_in_every_strategy_with_checkpointing_mixed_precision_and_packing(tmp_path, gloo_pool4):
+    """4 gloo processes: frozen base and adapters in the same FSDP2 groups, against one process with peft."""
+    from test_strategies import STEPS as N
+    from test_strategies import reference as one_process
+
+    cfg = tiny_config(tmp_path, **{**LORA, "train.max_steps": N, "train.global_batch_size": 16,
+                                   "train.micro_batch_size": 2, "scaling.num_workers": 4})
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    gloo_pool4.run(_train_each_strategy, cfg.to_dict(), store)
+    ref_losses, _ = one_process(cfg, store)
+    assert ref_losses[-1] < ref_losses[0]
+    for sharding, ac, precision, _ in STRATEGY_VARIANTS:
+        name = f"{sharding}-{ac}-{precision}"
+        losses = [m["loss"] for m in read_metrics(cfg.run_dir.parent / name) if "loss" in m]
+        tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=0)
+        torch.testing.assert_close(losses, ref_losses, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_lora_resumes_on_another_worker_count_and_strategy(tmp_path, gloo_pool4, gloo_pool, reference):
+    """4 workers, HYBRID_SHARD, sharded checkpoint → 2 workers, FULL_SHARD, full checkpoint: the same samples and
+    steps as the uninterrupted 2-worker run (only the reduction order differs)."""
+    ref_losses = reference[0]
+    for pool, sets in ((gloo_pool4, {"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
+                                     "parallel.hsdp_shard_size": 2, "checkpoint.mode": "sharded",
+                                     "train.stop_at_step": 3}),
+                       (gloo_pool, {"checkpoint.mode": "full", "train.stop_at_step": 6})):
+        pool.run(launch, cfg := run_config(tmp_path, "elastic", **{**LORA, "train.micro_batch_size": 2, **sets}))
+    losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in losses] == list(range(1, 7))
+    torch.testing.assert_close([v for _, v in losses], [v for _, v in ref_losses[:6]], rtol=1e-4, atol=1e-5)
 
 
 def test_a_missing_peft_is_a_config_error_naming_the_key_and_the_extra(monkeypatch):
