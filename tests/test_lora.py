@@ -19,7 +19,7 @@ from raysft.data import prepare_store
 from raysft.lora import is_adapter
 from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from raysft.metrics import read_metrics
-from raysft.model import build_full_model
+from raysft.model import build_full_model, load_model_config
 from raysft.run import launch, prepare_on_rank0, run_trainer
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
@@ -175,3 +175,34 @@ def test_a_missing_peft_is_a_config_error_naming_the_key_and_the_extra(monkeypat
     with pytest.raises(ConfigError, match=r"'model.lora'.*raysft\[lora\]"):
         load_config(None, ["model.lora.r=8"])
     load_config(None, ["model.lora.r=0"])  # full fine-tuning does not need it
+
+
+def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_adapter_chat_loads(tmp_path,
+                                                                                                gloo_pool):
+    """model.path: a sharded HF directory. The merged export streams its safetensors shards; the adapter export
+    names it as peft's base_model_name_or_path; both give the same logits, and `raysft chat` loads the adapter."""
+    from raysft.cli import main
+
+    tokenizer = load_tokenizer(ModelConfig(), "auto")
+    base_dir = tmp_path / "base"
+    build_full_model(ModelConfig(), load_model_config(ModelConfig(), tokenizer), seed=3).save_pretrained(
+        base_dir, max_shard_size="2MB")
+    tokenizer.save_pretrained(base_dir)
+    assert (base_dir / "model.safetensors.index.json").is_file()
+    cfg = run_config(tmp_path, "pretrained", **{**LORA, "model.path": str(base_dir), "train.max_steps": 2,
+                                                "checkpoint.mode": "sharded"})
+    gloo_pool.run(launch, cfg)
+    ckpt = checkpoint_dirs(cfg.run_dir)[-1]
+    assert main(["export", str(ckpt), str(tmp_path / "merged"), "--merge", "--max-shard-mb", "1"]) == 0
+    assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()  # streamed in 1 MiB shards
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
+    adapter = raysft.export(ckpt, tmp_path / "adapter")
+    assert json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
+    with torch.no_grad():
+        base_logits = base(input_ids=IDS).logits
+        peft_logits = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=IDS).logits
+        torch.testing.assert_close(merged(input_ids=IDS).logits, peft_logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(base_logits, peft_logits, atol=1e-3)  # two steps at lr 1e-2 moved the adapters
+    chat = ChatModel.load(adapter)
+    assert isinstance(chat.reply([{"role": "user", "content": "Hi"}], max_new_tokens=4), str)
