@@ -102,7 +102,8 @@ def choose_mode(mode: str, model: nn.Module) -> str:
     moments (12 bytes per parameter) beside everything else, sharded beyond. The same answer on every rank."""
     if mode != "auto":
         return mode
-    numel = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size, the same on every rank
+    # what a checkpoint holds (LoRA: the adapters); a DTensor's numel is the full size, the same on every rank
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     pick = [None]
     if dist.get_rank() == 0:
         pick[0] = auto_mode(12 * numel, available_memory_bytes())

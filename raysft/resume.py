@@ -46,7 +46,12 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Path:
 def preflight(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_samples: int) -> None:
     """The model's directory or config and its vocabulary against the tokenizer, and the data against the batch:
     errors that would otherwise meet every worker and be retried scaling.max_failures times."""
-    load_model_config(config.model, tokenizer)
+    hf_config = load_model_config(config.model, tokenizer)
+    if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
+        from raysft.lora import add_adapters
+        from raysft.model import build_meta_model
+
+        add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
     if num_samples < config.train.global_batch_size:
         raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} samples per step, "
                           f"but the data has {num_samples}: lower it or add data")

@@ -177,6 +177,16 @@ def test_a_missing_peft_is_a_config_error_naming_the_key_and_the_extra(monkeypat
     load_config(None, ["model.lora.r=0"])  # full fine-tuning does not need it
 
 
+def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
+    from raysft.resume import preflight
+
+    cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj, qkv_proj]"])
+    preflight(cfg, load_tokenizer(cfg.model, "auto"), 10_000)  # peft adapts the layers that match any name
+    cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[qkv_proj]"])
+    with pytest.raises(ConfigError, match="model.lora.target_modules.*qkv_proj"):
+        preflight(cfg, load_tokenizer(cfg.model, "auto"), 10_000)
+
+
 def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_adapter_chat_loads(tmp_path,
                                                                                                 gloo_pool):
     """model.path: a sharded HF directory. The merged export streams its safetensors shards; the adapter export
