@@ -31,6 +31,7 @@ from raysft.checkpoint import (
     read_trainer_state,
 )
 from raysft.dcp_read import SafeLoadPlanner, dcp_reader
+from raysft.lora_export import merged_weights, write_adapter
 from raysft.resume import RUN_FILE
 from raysft.storage import Location, location, native
 
@@ -77,20 +78,16 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
                 (ckpt / name).download(tmp / name)
         with local_copy(ckpt, (MODEL_FILE,)) if mode == "full" else contextlib.nullcontext() as local:
             weights = _FullWeights(local) if mode == "full" else _ShardedWeights(ckpt)
-            if lora:
-                from raysft import lora_export
-
-                if not merge:
-                    lora_export.write_adapter(weights, lora, tmp, DTYPES[dtype])
-                else:
-                    weights = lora_export.merged_weights(weights, lora, tmp)
-            if not lora or merge:
+            if lora and not merge:
+                write_adapter(weights, lora, tmp, DTYPES[dtype])
+            else:
+                weights = merged_weights(weights, lora, tmp) if lora else weights
                 _write_shards(weights, tmp, max_shard_bytes, DTYPES[dtype])
         _set_config_dtype(tmp, DTYPES[dtype])
         write_generation_config(tmp)
-        lora_export_record = {"lora": {**lora, "export": "merged" if merge else "adapter"}} if lora else {}
+        lora_note = {"lora": {**lora, "export": "merged" if merge else "adapter"}} if lora else {}
         (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode,
-                                                   **lora_export_record}, indent=1))
+                                                   **lora_note}, indent=1))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
