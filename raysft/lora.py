@@ -47,13 +47,13 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int | None = None) -> 
         try:
             model = peft.inject_adapter_in_model(peft_config(cfg), model)
         except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-            raise_config_error(e, cfg.target_modules)
+            _config_error(e, cfg.target_modules)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return model
 
 
-def raise_config_error(e: Exception, targets: Iterable[str]) -> None:
+def _config_error(e: Exception, targets: Iterable[str]) -> None:
     from raysft.config import ConfigError
 
     raise ConfigError(f"config key 'model.lora.target_modules': {list(targets)} cannot be adapted: {e}") from e
@@ -102,8 +102,3 @@ def record(cfg: TrainConfig) -> dict | None:
         return None
     return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
             "base": {"path": cfg.model.path, "seed": cfg.train.seed}}
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """What the optimizer gets: the adapters under LoRA, every parameter otherwise."""
-    return [p for p in model.parameters() if p.requires_grad]
