@@ -216,3 +216,12 @@ def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_a
     assert not torch.allclose(base_logits, peft_logits, atol=1e-3)  # two steps at lr 1e-2 moved the adapters
     chat = ChatModel.load(adapter)
     assert isinstance(chat.reply([{"role": "user", "content": "Hi"}], max_new_tokens=4), str)
+
+
+def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_the_reverse(tmp_path):
+    from raysft.resume import claim_run_dir
+
+    for first, then in ((4, 0), (0, 4)):
+        claim_run_dir(run_config(tmp_path, f"r{first}", **{**LORA, "model.lora.r": first}), "data")
+        with pytest.raises(ConfigError, match="model.lora must match"):
+            claim_run_dir(run_config(tmp_path, f"r{first}", **{**LORA, "model.lora.r": then}), "data")
