@@ -74,9 +74,9 @@ class Setup:
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
-        if not ray.is_initialized():  # workers import the bench modules too
+        if not ray.is_initialized():  # workers import the bench modules, and raysft from this checkout
             ray.init(num_cpus=self.args.workers, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": str(BENCH_DIR)}})
+                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(BENCH_DIR), str(BENCH_DIR.parent)])}})
         print(f"bench: {name} ...", file=sys.stderr, flush=True)
         TorchTrainer(fn, train_loop_config={"store": str(self.store), "out": str(self.work), "name": name, **loop},
                      torch_config=TorchConfig(backend="nccl" if self.args.gpu else "gloo"),

@@ -4,6 +4,7 @@ own fresh Ray worker group, side by side in one run, and is reported against NO_
     python bench/memory.py                      # 4 CPU workers, a ~90M-parameter LLaMA, all four strategies
     python bench/memory.py --gpu --workers 8 --hidden 2048 --layers 16
     python bench/memory.py --strategies FULL_SHARD,FULL_SHARD:full   # strategy[:activation checkpointing]
+    python bench/memory.py --strategies FULL_SHARD,FULL_SHARD+lora   # +lora: LoRA adapters of rank --lora-r
 
 What is measured on every worker during the training steps (the table shows the largest over workers):
   peak tensors   the most tensor memory alive at once, by torch's FSDPMemTracker (a dispatch mode that sees every
@@ -71,14 +72,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--mixed-precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--lora-r", type=int, default=16, help="model.lora.r of the +lora strategies")
     parser.add_argument("--out", default="runs/bench/memory.json")
     args = parser.parse_args(argv)
 
     setup = Setup(args, "memory")
     results = []
     for item in args.strategies.split(","):
+        item, lora = item.removesuffix("+lora"), item.endswith("+lora")
         sharding, _, ac = item.partition(":")
-        sets = [f"parallel.sharding={sharding}", f"parallel.activation_checkpointing={ac or 'none'}",
+        sets = [f"model.lora.r={args.lora_r if lora else 0}",
+                f"parallel.sharding={sharding}", f"parallel.activation_checkpointing={ac or 'none'}",
                 f"parallel.mixed_precision={args.mixed_precision}",
                 f"parallel.cpu_offload={str(args.cpu_offload).lower()}",
                 # torch's FSDPMemTracker loses track of the root module when the LM head runs in the chunked loss
@@ -86,27 +90,45 @@ def main(argv: list[str] | None = None) -> None:
                 "train.loss_chunk_tokens=0"]
         if sharding == "HYBRID_SHARD":  # one host: Ray sees one node, so say how big a shard group is
             sets.append(f"parallel.hsdp_shard_size={args.workers // 2}")
-        name = item.replace(":", "-ac")
+        name = item.replace(":", "-ac") + ("+lora" if lora else "")
         ranks = setup.run(_measure, name, {"config": setup.config(*sets).to_dict(), "steps": args.steps})
         top = max(ranks, key=lambda r: r["peak_tensors_mib"])
         results.append({"strategy": name, "breakdown_mib": top["breakdown_mib"], "ranks": ranks,
                         **{k: max(r[k] for r in ranks) for k in ("peak_tensors_mib", "process_peak_mib",
                                                                   "init_peak_mib", "step_s")}})
-    save_results(args.out, args, results, report(results, args, setup.params))
+    save_results(args.out, args, results, report(results, args, setup.params, adapter_params(setup, args.lora_r)))
 
 
-def theory(strategy: str, params: int, args: argparse.Namespace) -> float:
-    """(params + grads + AdamW's two moments) in fp32 = 16 bytes per parameter, over the shard-group size, MiB."""
-    shards = {"NO_SHARD": 1, "HYBRID_SHARD": args.workers // 2}.get(strategy.split("-")[0], args.workers)
+def adapter_params(setup: Setup, r: int) -> int:
+    """The LoRA parameters of rank r that model.lora's default target_modules add to the benchmark's model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raysft.config import LoraConfig
+    from raysft.lora import add_adapters
+
+    with torch.device("meta"):
+        model = add_adapters(AutoModelForCausalLM.from_config(setup.model_config), LoraConfig(r=r))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def theory(strategy: str, params: int, args: argparse.Namespace, adapters: int = 0) -> float:
+    """(params + grads + AdamW's two moments) in fp32 = 16 bytes per parameter, over the shard-group size, MiB.
+    With LoRA: 4 bytes per frozen base parameter, 16 per adapter parameter."""
+    shards = {"NO_SHARD": 1, "HYBRID_SHARD": args.workers // 2}.get(strategy.split("-")[0].split("+")[0],
+                                                                    args.workers)
+    if strategy.endswith("+lora"):
+        return (4 * params + 16 * adapters) / shards / MiB
     return 16 * params / shards / MiB
 
 
-def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
+def report(results: list[dict], args: argparse.Namespace, params: int, adapters: int = 0) -> str:
     base = results[0]
     process = "CUDA allocator peak" if args.gpu else "RSS peak"
     lines = [f"peak memory per worker: {args.workers} {'GPU' if args.gpu else 'CPU'} workers, LLaMA of "
              f"{params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers), "
              f"{args.mixed_precision}, seq {args.seq_len} × micro-batch {args.micro_batch}, "
+             f"+lora: rank {args.lora_r} on every decoder linear layer ({adapters / 1e6:.2f}M parameters), "
              f"largest value over workers, MiB", "",
              f"| strategy | peak tensors | vs {base['strategy']} | params | grads | optimizer | activations + temp "
              f"| {process} | s/step | model state in theory | measured / theory |",
@@ -115,13 +137,14 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
         def part(*keys: str, b: dict = r["breakdown_mib"]) -> float:
             return sum(b.get(k, 0.0) for k in keys)
 
+        model_state = theory(r["strategy"], params, args, adapters)
         lines.append(
             f"| {r['strategy']} | {r['peak_tensors_mib']:.0f} | {r['peak_tensors_mib'] / base['peak_tensors_mib']:.2f} "
             f"| {part('Sharded Param', 'Unsharded Param', 'All Gather'):.0f} "
             f"| {part('Sharded Grad', 'Unsharded Grad', 'Reduce Scatter'):.0f} | {part('OptState'):.0f} "
             f"| {part('Activation', 'Temp', 'Inputs', 'Buffer'):.0f} | {r['process_peak_mib']:.0f} "
-            f"| {r['step_s']:.2f} | {theory(r['strategy'], params, args):.0f} "
-            f"| {part('Sharded Param', 'Sharded Grad', 'OptState') / theory(r['strategy'], params, args):.2f} |")
+            f"| {r['step_s']:.2f} | {model_state:.0f} "
+            f"| {part('Sharded Param', 'Sharded Grad', 'OptState') / model_state:.2f} |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,8 @@ Variants (--variants, the first is the baseline of the ratios):
   raysft-varlen       data.packing, model.attn_implementation=varlen, micro-batches of --micro-batch-tokens
   raysft-compiled     raysft-varlen with parallel.compile
   torchrun-varlen     raysft-varlen's config under torchrun (for --profile, and Ray against torchrun)
+  raysft-lora         raysft with LoRA adapters of rank --lora-r on every linear layer of the decoder (model.lora)
+  torchrun-lora       raysft-lora's config under torchrun (against `torchrun`: LoRA against full fine-tuning)
   hf                  transformers.Trainer, fsdp="full_shard auto_wrap", padded to --seq-len (bench/hf_trainer.py)
 
 Every variant reports its padding overhead: the tokens the model computed on over the real ones (1.00: none).
@@ -51,7 +53,8 @@ DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 VARLEN = ["data.packing=true", "model.attn_implementation=varlen", "train.micro_batch_tokens={tokens}"]
 SETS = {"torchrun": [], "raysft": [], "raysft-full-logits": ["train.loss_chunk_tokens=0"],
         "raysft-packed": ["data.packing=true"], "raysft-varlen": VARLEN, "torchrun-varlen": VARLEN,
-        "raysft-compiled": [*VARLEN, "parallel.compile=true"], "hf": []}
+        "raysft-compiled": [*VARLEN, "parallel.compile=true"], "hf": [],
+        "raysft-lora": ["model.lora.r={lora_r}"], "torchrun-lora": ["model.lora.r={lora_r}"]}
 
 
 def run_raysft(setup: Setup, cfg) -> list[dict]:
@@ -183,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="0: known GPUs' dense bf16 peak")
     parser.add_argument("--micro-batch-tokens", type=int, default=0,
                         help="train.micro_batch_tokens of the varlen variants; 0: --micro-batch × --seq-len")
+    parser.add_argument("--lora-r", type=int, default=16, help="model.lora.r of the lora variants")
     parser.add_argument("--profile", default="", help="variants (comma-separated, or 'all') whose config to profile "
                         "once more under torchrun with torch.profiler")
     parser.add_argument("--out", default="runs/bench/throughput.json")
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
               "checkpoint.every_n_steps=1000", "checkpoint.mode=sharded", "train.warmup_steps=2"]
 
     def variant_config(name: str, variant: str):
-        return setup.config(*common, name, *(s.format(tokens=tokens) for s in SETS[variant]))
+        return setup.config(*common, name, *(s.format(tokens=tokens, lora_r=args.lora_r) for s in SETS[variant]))
 
     measured: dict[str, list[float]] = {v: [] for v in variants}
     padding: dict[str, list[float]] = {v: [] for v in variants}

@@ -26,6 +26,7 @@ from raysft.checkpoint import (
 )
 from raysft.hf_export import export
 from raysft.labels import stop_token_ids
+from raysft.lora_export import ADAPTER_CONFIG, load_adapter_dir
 
 Message = dict[str, str]
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -43,10 +44,11 @@ class ChatModel:
         complete; a sharded one is exported to a temporary directory first (export checks it)."""
         path = Path(path).expanduser()
         if (path / STATE_FILE).exists() or (path / MANIFEST_FILE).exists():
-            if read_trainer_state(path)["mode"] == "sharded":
+            state = read_trainer_state(path)
+            if state["mode"] == "sharded" or state.get("lora"):  # LoRA: the adapters merged into the base
                 with tempfile.TemporaryDirectory(prefix="raysft-chat-") as tmp, warnings.catch_warnings():
                     warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP read in one process
-                    return cls._from_hf_dir(export(path, Path(tmp) / "model"))
+                    return cls._from_hf_dir(export(path, Path(tmp) / "model", merge=bool(state.get("lora"))))
             reason = incomplete_reason(path)
             if reason:
                 raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
@@ -55,18 +57,20 @@ class ChatModel:
                                   f"({', '.join(n for n in TRAINING_FILES if (path / n).exists())}) but neither "
                                   f"{MANIFEST_FILE} nor {STATE_FILE}, so its weights cannot be checked; use a "
                                   "complete checkpoint or an exported model")
+        elif (path / ADAPTER_CONFIG).is_file():  # a peft adapter directory (raysft export of a LoRA checkpoint)
+            return cls._from_hf_dir(path, load_adapter_dir(path))
         elif not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: neither an HF model directory (no config.json) "
                                     f"nor a raysft checkpoint (no {STATE_FILE})")
         return cls._from_hf_dir(path)
 
     @classmethod
-    def _from_hf_dir(cls, path: Path) -> ChatModel:
+    def _from_hf_dir(cls, path: Path, model: PreTrainedModel | None = None) -> ChatModel:
         # local_files_only: a path that does not exist must not turn into a hub download
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if not tokenizer.chat_template:
             raise ValueError(f"{path}: the tokenizer has no chat template (not saved by raysft?)")
-        return cls(AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tokenizer)
+        return cls(model or AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tokenizer)
 
     def render(self, messages: list[Message]) -> str:
         """The text the model sees for its next reply: the conversation and the assistant's turn opening."""

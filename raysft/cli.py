@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     p_export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                           help="the exported weights' dtype (training keeps fp32; bf16 halves the export)")
+    p_export.add_argument("--merge", action="store_true",
+                          help="LoRA checkpoint: a full model with the adapters merged in (default: a peft adapter "
+                               "directory)")
     p_export.add_argument("--max-shard-mb", type=int, default=DEFAULT_SHARD_BYTES // 2**20,
                           help="largest safetensors shard; more weights than this are split with an index")
     p_chat = sub.add_parser("chat", help="talk to an exported model or a checkpoint, with its training chat template")
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             out = export(args.checkpoint_dir, args.out_dir, overwrite=args.force,
-                         max_shard_bytes=args.max_shard_mb * 2**20, dtype=args.dtype)
+                         max_shard_bytes=args.max_shard_mb * 2**20, dtype=args.dtype, merge=args.merge)
             print(f"raysft: exported {out}")
             return 0
         if args.command == "chat":

@@ -28,6 +28,19 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0
+    """LoRA rank (peft): train rank-r adapters on target_modules, the base weights frozen; 0: full fine-tuning."""
+    alpha: float = 16.0
+    """Adapter scale numerator: the update is (alpha / r) · B·A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Names of the linear layers that get adapters (peft's target_modules)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """Local Hugging Face directory (config.json + safetensors) to fine-tune. Empty: train from scratch."""
@@ -40,6 +53,8 @@ class ModelConfig:
     "flash_attention_2" if installed, or "varlen": raysft's padding-free attention for data.packing, flash varlen
     from torch on CUDA in bf16/fp16, per-sample SDPA elsewhere) or a name registered with transformers'
     AttentionInterface."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (raysft.lora); needs `pip install 'raysft[lora]'`."""
 
 
 @dataclass
@@ -236,14 +251,18 @@ def reference_markdown() -> str:
                     docs[node.name, stmt.target.id] = " ".join(after.value.value.split())
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     hints = typing.get_type_hints(TrainConfig)
-    for section in dataclasses.fields(TrainConfig):
-        cls = hints[section.name]
+    sections = [(s.name, hints[s.name]) for s in dataclasses.fields(TrainConfig)]
+    while sections:
+        prefix, cls = sections.pop(0)
         defaults, field_hints = cls(), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(field_hints[f.name]):  # a nested section (model.lora): its keys after
+                sections.insert(0, (f"{prefix}.{f.name}", field_hints[f.name]))
+                continue
             meaning = docs.get((cls.__name__, f.name), "").replace("|", "\\|")
             if typing.get_origin(field_hints[f.name]) is Literal:
                 meaning = f"one of {', '.join(f'`{v}`' for v in typing.get_args(field_hints[f.name]))}. {meaning}"
-            rows.append(f"| `{section.name}.{_key(f)}` | `{getattr(defaults, f.name)!r}` | {meaning.strip()} |")
+            rows.append(f"| `{prefix}.{_key(f)}` | `{getattr(defaults, f.name)!r}` | {meaning.strip()} |")
     return "\n".join(rows)
 
 
@@ -409,6 +428,7 @@ def validate(cfg: TrainConfig) -> None:
              "the run directory is always a child of run.storage_path")
     _validate_attention(cfg.model.attn_implementation)
     _validate_storage(cfg)
+    _validate_lora(cfg.model.lora)
 
 
 def data_sources(paths: list[str | dict]) -> list[tuple[str, float]]:
@@ -454,6 +474,19 @@ def _validate_storage(cfg: TrainConfig) -> None:
              f"run.storage_path is {storage!r}, so the tokenized store cannot default to <run.storage_path>/datasets:"
              " set data.store_dir to a directory every node can read (NFS or another shared mount; a local "
              "directory only works when the driver and all workers are on one machine)")
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    _require(lora.r >= 0, "model.lora.r", f"must be >= 0 (0: full fine-tuning), got {lora.r}")
+    if not lora.r:
+        return
+    _require(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
+    _require(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    _require(bool(lora.target_modules), "model.lora.target_modules", "needs at least one module name")
+    import importlib.util
+
+    _require(importlib.util.find_spec("peft") is not None, "model.lora",
+             "LoRA needs peft, which is not installed: pip install 'raysft[lora]' (or set model.lora.r: 0)")
 
 
 def _validate_parallel(p: ParallelConfig, num_workers: int) -> None:

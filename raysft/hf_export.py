@@ -7,6 +7,7 @@ whole model in one process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from raysft.checkpoint import (
     read_trainer_state,
 )
 from raysft.dcp_read import SafeLoadPlanner, dcp_reader
+from raysft.lora_export import merged_weights, write_adapter
 from raysft.resume import RUN_FILE
 from raysft.storage import Location, built_then_renamed, location, native
 
@@ -39,7 +41,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike,
            overwrite: bool | Literal["export"] = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           dtype: Literal["fp32", "bf16", "fp16"] = "fp32") -> Path:
+           dtype: Literal["fp32", "bf16", "fp16"] = "fp32", merge: bool = False) -> Path:
     """Write config, tokenizer, generation config and weights (safetensors, sharded with an index above
     max_shard_bytes), the weights in `dtype` (training keeps fp32 parameters; bf16 halves the export).
 
@@ -49,6 +51,8 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
     there piece by piece (not its optimizer state), a full one's model.safetensors is downloaded to a temporary
     directory first.
+    A LoRA checkpoint (raysft.lora_export) exports as a peft adapter directory, or with `merge` as a full model
+    with the adapters merged into the base.
     The directory appears complete or not at all (written beside it, then renamed). An existing non-empty
     directory is replaced only with overwrite=True (`--force`), or with overwrite="export" when it is an earlier
     raysft export (it holds raysft_export.json); never when it holds a run or a checkpoint, or this checkpoint.
@@ -57,7 +61,9 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
         raise ValueError(f"the largest shard must be at least 1 MB, got {max_shard_bytes} bytes")
     ckpt, out = location(checkpoint_dir), Path(out_dir).expanduser().resolve()
     state = read_trainer_state(ckpt)  # a raysft checkpoint of a format we know, or a clear error
-    mode = state["mode"]
+    mode, lora = state["mode"], state.get("lora")
+    if merge and not lora:
+        raise ValueError(f"{native(ckpt)}: --merge applies to LoRA checkpoints; this one holds the whole model")
     reason = incomplete_reason(ckpt)
     if reason:
         raise CheckpointError(f"{native(ckpt)}: incomplete checkpoint: {reason}")
@@ -66,15 +72,18 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
         for name in ckpt.files():  # config, generation config, tokenizer: whatever is not weights or training state
             if "/" not in name and name not in TRAINING_FILES and name != MODEL_FILE and not _is_dcp_file(name):
                 (ckpt / name).download(tmp / name)
-        if mode == "full":
-            with local_copy(ckpt, (MODEL_FILE,)) as local:
-                _write_shards(_FullWeights(local), tmp, max_shard_bytes, DTYPES[dtype])
-        else:
-            _write_shards(_ShardedWeights(ckpt), tmp, max_shard_bytes, DTYPES[dtype])
+        with local_copy(ckpt, (MODEL_FILE,)) if mode == "full" else contextlib.nullcontext() as local:
+            weights = _FullWeights(local) if mode == "full" else _ShardedWeights(ckpt)
+            if lora and not merge:
+                write_adapter(weights, lora, tmp, DTYPES[dtype])
+            else:
+                weights = merged_weights(weights, lora, tmp) if lora else weights
+                _write_shards(weights, tmp, max_shard_bytes, DTYPES[dtype])
         _set_config_dtype(tmp, DTYPES[dtype])
         write_generation_config(tmp)
-        (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode},
-                                                  indent=1))
+        lora_note = {"lora": {**lora, "export": "merged" if merge else "adapter"}} if lora else {}
+        (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode,
+                                                   **lora_note}, indent=1))
     return out
 
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 
 import raysft.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
+from raysft.lora import add_adapters
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -122,5 +123,7 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
 
 def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
     """Collective: rank 0 builds the full model on CPU and broadcasts it; every rank keeps only its shards."""
-    full_sd = build_full_model(cfg, config, seed).state_dict() if dist.get_rank() == 0 else {}
+    # LoRA: the adapters' initial values come along, seeded
+    full_sd = add_adapters(build_full_model(cfg, config, seed), cfg.lora, seed).state_dict() \
+        if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -12,7 +12,8 @@ from raysft.config import ParallelConfig, TrainLoopConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainLoopConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
 def lr_factor(step: int, cfg: TrainLoopConfig) -> float:

@@ -46,7 +46,12 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Path:
 def preflight(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_samples: int) -> None:
     """The model's directory or config and its vocabulary against the tokenizer, and the data against the batch:
     errors that would otherwise meet every worker and be retried scaling.max_failures times."""
-    load_model_config(config.model, tokenizer)
+    hf_config = load_model_config(config.model, tokenizer)
+    if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
+        from raysft.lora import add_adapters
+        from raysft.model import build_meta_model
+
+        add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
     if num_samples < config.train.global_batch_size:
         raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} samples per step, "
                           f"but the data has {num_samples}: lower it or add data")
@@ -74,12 +79,12 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     path = run_dir / RUN_FILE
     if path.is_file():
         recorded = json.loads(path.read_text())
-        changed = [k for k in identity if recorded.get(k) != identity[k]]
+        changed = [k for k in {**recorded, **identity} if recorded.get(k) != identity.get(k)]
         if changed:
             key = changed[0]
             what = ("the training data (the contents of data.paths, the tokenizer, the chat template or "
                     "data.max_seq_len) differs" if key == DATA_KEY else
-                    f"it was started with {key}={recorded.get(key)!r}, this launch has {identity[key]!r}")
+                    f"it was started with {key}={recorded.get(key)!r}, this launch has {identity.get(key)!r}")
             raise ConfigError(
                 f"run '{config.run.name}' in {run_dir} exists and {what}; launching again continues a run, so "
                 f"{', '.join(changed)} must match. Keep the run's settings, pick another run.name, or start over "
@@ -96,4 +101,6 @@ def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
     for key in RUN_DEFINING_KEYS:
         section, name = key.split(".")
         identity[key] = values[section][name]
+    if config.model.lora.r:  # LoRA trains other weights: its settings define the run (absent: full fine-tuning)
+        identity["model.lora"] = values["model"]["lora"]
     return identity

@@ -29,6 +29,7 @@ from raysft.dataloader import (
     to_device,
     token_budget_micro_batches,
 )
+from raysft.lora import add_adapters, record
 from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
 from raysft.metrics import (
     MetricsLogger,
@@ -113,7 +114,7 @@ class Trainer:
         self.hf_config = load_model_config(cfg.model, self.tokenizer)
 
         # Model: meta → sharded → materialized shards → weights broadcast from rank 0.
-        self.model = build_meta_model(self.hf_config, cfg.model.attn_implementation)
+        self.model = add_adapters(build_meta_model(self.hf_config, cfg.model.attn_implementation), cfg.model.lora)
         self.aliases = tied_parameter_aliases(self.model)
         self.matmul_params = matmul_parameters(self.model)
         self.peak_tflops = peak_tflops(ctx.device, cfg.parallel.mixed_precision)
@@ -125,15 +126,16 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.scaler = build_loss_scaler(cfg.parallel, ctx.device)
         self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
-                                    self.tokenizer, self.aliases)
+                                    self.tokenizer, self.aliases, lora=record(cfg))
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank)
+        if resume_dir is None or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
+            load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
         if resume_dir is not None:
             self.state = self.checkpointer.load(resume_dir)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)
         else:
-            load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
             self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
         self.dataset = TokenizedDataset(store)

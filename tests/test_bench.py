@@ -65,7 +65,12 @@ def test_recovery_loses_only_the_steps_since_the_checkpoint(bench):
     assert sharded["recovery_s"] > 0 and sharded["start_s"] > 0
 
 
-def test_memory_shows_sharding_divide_the_optimizer_state(bench):
-    no_shard, full_shard = bench("memory", "--workers", "2", "--strategies", "NO_SHARD,FULL_SHARD", "--steps", "2")
+def test_memory_shows_sharding_divide_the_optimizer_state_and_lora_shrink_it(bench):
+    no_shard, full_shard, lora = bench("memory", "--workers", "2", "--strategies",
+                                       "NO_SHARD,FULL_SHARD,FULL_SHARD+lora",
+                                       "--steps", "2", "--lora-r", "4")
     assert full_shard["breakdown_mib"]["OptState"] == pytest.approx(no_shard["breakdown_mib"]["OptState"] / 2,
                                                                    rel=0.02)
+    # rank 4 on every decoder linear layer of a hidden-128 model: a few percent of its parameters get AdamW state
+    assert lora["strategy"] == "FULL_SHARD+lora" and lora["breakdown_mib"]["OptState"] < 0.1 * \
+        full_shard["breakdown_mib"]["OptState"]

@@ -14,6 +14,7 @@ from raysft.checkpoint import DirectorySink
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate
+from raysft.lora import add_adapters
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model, load_model_config
 from raysft.optim import build_lr_scheduler, build_optimizer
@@ -44,6 +45,7 @@ def reference(cfg: TrainConfig, store: Path) -> tuple[list[float], dict]:
     """The same SFT steps in one process, without FSDP: the whole global batch in one forward."""
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     model = build_full_model(cfg.model, load_model_config(cfg.model, tokenizer), cfg.train.seed)
+    model = add_adapters(model, cfg.model.lora, cfg.train.seed)  # LoRA (tests/test_lora.py); else a no-op
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_lr_scheduler(optimizer, cfg.train)
     dataset = TokenizedDataset(store)

@@ -24,7 +24,8 @@ def choose_mode(mode: str, model: nn.Module) -> str:
     moments (12 bytes per parameter) beside everything else, sharded beyond. The same answer on every rank."""
     if mode != "auto":
         return mode
-    numel = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size, the same on every rank
+    # what a checkpoint holds (LoRA: the adapters); a DTensor's numel is the full size, the same on every rank
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return from_rank0(lambda: auto_mode(12 * numel, available_memory_bytes()))
 
 

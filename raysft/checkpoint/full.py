@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -30,17 +29,19 @@ from torch.distributed.checkpoint.state_dict import (
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
+from raysft.lora import check_adapter_names, state_dict_options
 from raysft.storage import Location, location
 
 OPTIMIZER_META_FILE = "optimizer.json"
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+_GATHER = dict(full_state_dict=True, cpu_offload=True)  # StateDictOptions, made by state_dict_options(model)
+_BROADCAST = dict(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     """Collective (the gather); rank 0 writes."""
-    model_sd = get_model_state_dict(objs.model, options=_GATHER)
-    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=_GATHER)
+    options = state_dict_options(objs.model, **_GATHER)  # LoRA: the adapters only
+    model_sd = get_model_state_dict(objs.model, options=options)
+    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
     if dist.get_rank() != 0:
         return run_now(lambda: None)
     for alias in objs.aliases:
@@ -112,10 +113,14 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
         with local_copy(ckpt_dir, (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE)) as local:
             model_sd = read_safetensors(local / MODEL_FILE)
             for alias, canonical in objs.aliases.items():
-                model_sd[alias] = model_sd[canonical]
+                if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
+                    model_sd[alias] = model_sd[canonical]
+            if objs.lora:
+                check_adapter_names(objs.model, model_sd, str(ckpt_dir))
             optim_sd = _read_optimizer(local)
-    set_model_state_dict(objs.model, model_sd, options=_BROADCAST)
-    set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=_BROADCAST)
+    options = state_dict_options(objs.model, **_BROADCAST)
+    set_model_state_dict(objs.model, model_sd, options=options)
+    set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
 
 
 @contextlib.contextmanager

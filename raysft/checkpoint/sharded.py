@@ -29,13 +29,14 @@ from raysft.checkpoint.background import chain, checkpoint_group, run_now
 from raysft.checkpoint.manifest import HashingWriter
 from raysft.checkpoint.state import CheckpointError, TrainingObjects
 from raysft.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
+from raysft.lora import state_dict_options
 from raysft.storage import Location
 
 
 def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     """Collective: each rank writes __<rank>_0.distcp (the planner writes a replicated tensor once), hashing it on
     the way."""
-    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer, options=state_dict_options(objs.model))
     state = {"model": model_sd, "optimizer": optim_sd}
     files = _HashingFileSystem()
     writer = FileSystemWriter(out_dir)
@@ -75,14 +76,15 @@ def _stager() -> DefaultStager:
 
 def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     """Collective: fill this topology's shards from the checkpoint's."""
-    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
+    options = state_dict_options(objs.model)  # LoRA: the adapters only; DCP refuses a checkpoint that lacks one
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer, options=options)
     reader = dcp_reader(ckpt_dir)
     read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
     try:
         dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
         raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {_first_failure(e)}") from e
-    set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
 def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None) -> Metadata:

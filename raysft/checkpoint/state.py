@@ -50,6 +50,7 @@ class TrainingObjects:
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     aliases: dict[str, str]  # tied parameters: {alias: canonical name}
+    lora: dict | None = None  # LoRA (raysft.lora.record): the checkpoint holds only the adapters
 
 
 def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
@@ -66,6 +67,7 @@ def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Trai
         "scheduler": objs.scheduler.state_dict(),
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
+        **({"lora": objs.lora} if objs.lora else {}),
     }, indent=1))
 
 

@@ -1,0 +1,104 @@
+"""LoRA on FSDP2: peft adapters injected into the model before it is sharded, the base weights frozen.
+
+The adapters are added in place (`peft.inject_adapter_in_model`), so the model keeps its class and FSDP2 shards
+each decoder layer with its frozen base weights and trainable adapters in one parameter group; only the adapters
+get gradients, a gradient reduction and optimizer state. Checkpoints hold only what trains
+(`state_dict_options`: torch's ignore_frozen_params); the frozen base always comes from where the run started:
+`model.path`, or the from-scratch initialization with `train.seed`, rebuilt on every launch. A LoRA checkpoint
+records that in its trainer_state.json (`record`), and exports as a peft adapter directory or merged into a full
+Hugging Face model (raysft.lora_export).
+
+Parameter names: the base weight of an adapted linear layer `...q_proj` is `...q_proj.base_layer.weight` in the
+model, its adapters `...q_proj.lora_A.default.weight` and `...q_proj.lora_B.default.weight` (peft's names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from raysft.config import LoraConfig, TrainConfig
+
+ADAPTER = "default"  # peft's adapter name; raysft trains one adapter
+
+
+def peft_config(cfg: LoraConfig, base_path: str | None = None):
+    """The peft LoraConfig for raysft's `model.lora` (peft is imported only when LoRA is on)."""
+    import peft
+
+    return peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=list(cfg.target_modules), base_model_name_or_path=base_path or None)
+
+
+def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int | None = None) -> nn.Module:
+    """Inject the adapters in place and freeze everything else; a no-op with r = 0. On the meta device they stay
+    there (materialized with the rest); with `seed`, A is initialized from that seed alone (B is zero), the same
+    on any topology, without touching the caller's RNG."""
+    if not cfg.r:
+        return model
+    import peft
+
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            model = peft.inject_adapter_in_model(peft_config(cfg), model)
+        except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+            _config_error(e, cfg.target_modules)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    return model
+
+
+def _config_error(e: Exception, targets: Iterable[str]) -> None:
+    from raysft.config import ConfigError
+
+    raise ConfigError(f"config key 'model.lora.target_modules': {list(targets)} cannot be adapted: {e}") from e
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA parameter's name (peft's lora_A / lora_B of raysft's one adapter)."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def has_frozen_parameters(model: nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def state_dict_options(model: nn.Module, **options: bool) -> StateDictOptions:
+    """StateDictOptions for the training state of `model`: with frozen parameters (LoRA) only what trains is saved
+    and loaded (ignore_frozen_params); loading is then not strict, since the frozen base is not in the checkpoint
+    (raysft checks the adapters' names itself: `check_adapter_names`)."""
+    frozen = has_frozen_parameters(model)
+    return StateDictOptions(**options, ignore_frozen_params=frozen, strict=not frozen)
+
+
+def check_adapter_names(model: nn.Module, names: Iterable[str], where: str) -> None:
+    """Loading without strict would keep the initial value of an adapter a checkpoint lacks: refuse that instead."""
+    from raysft.checkpoint import CheckpointError
+
+    expected = {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    got = set(names)
+    if got != expected:
+        missing, extra = sorted(expected - got), sorted(got - expected)
+        raise CheckpointError(f"{where}: the checkpoint's trainable tensors do not match the model's: "
+                              f"{len(missing)} missing ({missing[:2]}), {len(extra)} unexpected ({extra[:2]}): "
+                              "another model.lora or model (the run identity should have refused it)")
+
+
+def clean_name(name: str) -> str:
+    """A parameter's state-dict name: without the wrappers that activation checkpointing and compile add."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def record(cfg: TrainConfig) -> dict | None:
+    """What a LoRA checkpoint must say to be exported on its own: the adapters' settings and where the frozen base
+    comes from (None for full fine-tuning)."""
+    lora = cfg.model.lora
+    if not lora.r:
+        return None
+    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
+            "base": {"path": cfg.model.path, "seed": cfg.train.seed}}

@@ -1,0 +1,155 @@
+"""Exporting a LoRA checkpoint, and loading what that writes.
+
+A LoRA checkpoint holds only the adapters; its trainer_state.json says where the frozen base comes from
+(raysft.lora.record). Two exports:
+
+adapter  a peft adapter directory: adapter_config.json + adapter_model.safetensors (peft's names), which
+         `PeftModel.from_pretrained(base, dir)` loads on top of the base; config, tokenizer and
+         raysft_export.json (the base's seed, for a base trained from scratch) come along, so `raysft chat` loads it.
+merged   a full Hugging Face model: each base weight W of an adapted layer becomes W + (alpha / r) · B·A. Streamed
+         like any export, one output shard at a time, reading the base from `model.path`'s safetensors; a base
+         trained from scratch is rebuilt from its seed in memory (those are the small models).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from raysft.config import LoraConfig
+from raysft.lora import ADAPTER, peft_config
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # peft's names: the PeftModel's, of which the causal LM is base_model.model
+_FLOATING = ("F64", "F32", "F16", "BF16")
+
+
+def lora_config(lora: dict) -> LoraConfig:
+    return LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
+                      target_modules=list(lora["target_modules"]))
+
+
+def write_adapter(adapters, lora: dict, out: Path, dtype: torch.dtype) -> None:
+    """`adapters`: a checkpoint's weight source (raysft.hf_export) holding the adapters only."""
+    tensors = adapters.load(list(adapters.sizes))
+    peft_names = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): t.to(dtype).contiguous()
+                  for name, t in tensors.items()}
+    save_file(peft_names, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    peft_config(lora_config(lora), lora["base"]["path"] or None).save_pretrained(str(out))
+
+
+def merged_weights(adapters, lora: dict, out: Path):
+    """A weight source of the merged model: the base's tensors, the adapted ones with B·A added as they are read.
+    `out` holds the checkpoint's config.json (a from-scratch base is rebuilt from it)."""
+    base = _base_weights(lora["base"], out)
+    tensors = adapters.load(list(adapters.sizes))
+    return _Merged(base, tensors, lora["alpha"] / lora["r"])
+
+
+class _Merged:
+    def __init__(self, base, adapters: dict[str, torch.Tensor], scale: float):
+        self.base, self.scale = base, scale
+        self.sizes, self.floating = base.sizes, base.floating
+        self.pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # base weight name: (A, B)
+        for name, a in adapters.items():
+            if f".lora_A.{ADAPTER}." in name:
+                layer = name.split(f".lora_A.{ADAPTER}.")[0]
+                self.pairs[f"{layer}.weight"] = (a, adapters[f"{layer}.lora_B.{ADAPTER}.weight"])
+        unknown = sorted(set(self.pairs) - set(self.sizes))
+        if unknown:
+            from raysft.checkpoint import CheckpointError
+
+            raise CheckpointError(f"the base has no weight {unknown[0]} to merge the adapters into (another base?)")
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = self.base.load(names)
+        for name in names:
+            if name in self.pairs:
+                a, b = self.pairs[name]
+                tensors[name] = tensors[name].float() + (b.float() @ a.float()) * self.scale  # peft's merge
+        return tensors
+
+
+class _SafetensorsDir:
+    """The weights of a Hugging Face model directory, one file or sharded with an index, read lazily."""
+
+    def __init__(self, path: Path):
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = {name: path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (path / "model.safetensors").is_file():
+            with safe_open(path / "model.safetensors", framework="pt") as f:
+                files = {name: path / "model.safetensors" for name in f.keys()}  # noqa: SIM118
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors (or index) to merge the adapters into")
+        self.files, self.sizes, self.floating = files, {}, {}
+        for file in set(files.values()):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    piece = f.get_slice(name)
+                    self.floating[name] = piece.get_dtype() in _FLOATING
+                    numel = 1
+                    for d in piece.get_shape():
+                        numel *= d
+                    self.sizes[name] = 4 * numel  # what the export counts in: fp32 (a bf16 base is upcast)
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for file in {self.files[n] for n in names}:
+            with safe_open(file, framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in names if self.files[n] == file})
+        return {n: out[n].float() if out[n].is_floating_point() else out[n] for n in names}
+
+
+class _InMemory:
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.sizes = {n: t.numel() * 4 for n, t in tensors.items()}
+        self.floating = {n: t.is_floating_point() for n, t in tensors.items()}
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return {n: self.tensors[n] for n in names}
+
+
+def _base_weights(base: dict, config_dir: Path):
+    if base["path"]:
+        return _SafetensorsDir(Path(base["path"]).expanduser())
+    from raysft.model import tied_parameter_aliases
+
+    model = scratch_base(config_dir, base["seed"])
+    aliases = tied_parameter_aliases(model)
+    return _InMemory({k: v for k, v in model.state_dict().items() if k not in aliases})
+
+
+def scratch_base(config_dir: Path, seed: int) -> nn.Module:
+    """The base of a run trained from scratch: the seeded initialization of the config in config_dir, the same
+    as every launch of the run built (raysft.model.build_full_model)."""
+    from transformers import AutoConfig
+
+    from raysft.config import ModelConfig
+    from raysft.model import build_full_model
+
+    return build_full_model(ModelConfig(path=""), AutoConfig.from_pretrained(config_dir, local_files_only=True), seed)
+
+
+def load_adapter_dir(path: Path) -> nn.Module:
+    """An adapter export on top of its base: `model.path`'s model, or the seeded from-scratch one."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_path = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if base_path:
+        base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, dtype=torch.float32)
+    else:
+        export = path / "raysft_export.json"
+        if not export.is_file():
+            raise FileNotFoundError(f"{path}: an adapter directory without base_model_name_or_path in "
+                                    f"{ADAPTER_CONFIG} and without raysft_export.json: its base is unknown")
+        base = scratch_base(path, json.loads(export.read_text())["lora"]["base"]["seed"])
+    return PeftModel.from_pretrained(base, str(path))

@@ -1,0 +1,226 @@
+"""LoRA (model.lora) on FSDP2 with real peft and real gloo collectives (reused process pools, no Ray): training,
+checkpoints that hold only the adapters, exact resume, and both exports."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import STEPS, run_config, step_losses, tiny_config
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import raysft
+from raysft.chat import ChatModel
+from raysft.checkpoint import STATE_FILE, DirectorySink, checkpoint_dirs, read_index
+from raysft.config import ConfigError, ModelConfig, TrainConfig, load_config
+from raysft.data import prepare_store
+from raysft.lora import is_adapter
+from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from raysft.metrics import read_metrics
+from raysft.model import build_full_model, load_model_config
+from raysft.run import launch, prepare_on_rank0, run_trainer
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
+
+peft = pytest.importorskip("peft")
+LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "[q_proj, v_proj, down_proj]",
+        "train.lr": 1e-2, "train.warmup_steps": 1}
+IDS = torch.tensor([[1, 5, 9, 23, 42, 77, 100, 3]])
+
+
+def _train_and_logits(ctx, cfg) -> torch.Tensor:
+    """Collective: one launch, then the live (sharded) model's logits on IDS."""
+    trainer = run_trainer(cfg, prepare_on_rank0(cfg, ctx.rank, False), ctx)
+    trainer.train()
+    trainer.model.eval()
+    with torch.no_grad():
+        return trainer.model(input_ids=IDS).logits
+
+
+@pytest.fixture(scope="module")
+def reference(gloo_pool, tmp_path_factory):
+    """An uninterrupted LoRA run, full checkpoints, from scratch: its losses, its run dir and its final logits."""
+    cfg = run_config(tmp_path_factory.mktemp("lora"), "reference", **{**LORA, "checkpoint.mode": "full"})
+    logits = gloo_pool.run(_train_and_logits, cfg)[0]
+    return step_losses(cfg.run_dir), cfg.run_dir, logits
+
+
+def test_lora_training_lowers_the_loss_and_checkpoints_only_the_adapters(reference):
+    losses, run_dir, _ = reference
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    first, last = losses[0][1], sum(v for _, v in losses[-3:]) / 3
+    assert last < first - 0.1, losses
+    ckpt = checkpoint_dirs(run_dir)[-1]
+    weights, optim = load_file(ckpt / "model.safetensors"), load_file(ckpt / "optimizer.safetensors")
+    # 4 layers × 3 adapted modules × (A, B); AdamW's step and two moments for each of them, nothing else
+    assert len(weights) == 24 and all(is_adapter(k) for k in weights), sorted(weights)[:4]
+    assert {k.rpartition("/")[0] for k in optim} == set(weights) and len(optim) == 3 * 24
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
+                             "base": {"path": "", "seed": 0}}
+    assert json.loads((run_dir / "raysft_run.json").read_text())["model.lora"]["r"] == 4
+
+
+def test_lora_stop_and_resume_across_modes_is_bit_identical(tmp_path, gloo_pool, reference):
+    """Sharded (async) to step 4, full to step 8, sharded to the end: the frozen base is rebuilt on every launch,
+    the adapters, their AdamW state and the RNG come from the checkpoint; losses and adapters equal, bit for bit."""
+    ref_losses, ref_dir, _ = reference
+    for sets in ({"checkpoint.mode": "sharded", "checkpoint.async": True, "train.stop_at_step": 4},
+                 {"checkpoint.mode": "full", "train.stop_at_step": 8}, {"checkpoint.mode": "sharded"}):
+        gloo_pool.run(launch, cfg := run_config(tmp_path, "resumed", **{**LORA, "checkpoint.keep": 9, **sets}))
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [4, 8]
+    assert step_losses(cfg.run_dir) == ref_losses
+    sharded = cfg.run_dir / f"checkpoint_{STEPS:08d}"
+    index = read_index(sharded).state_dict_metadata
+    model_keys = {k.removeprefix("model.") for k in index if k.startswith("model.")}
+    assert len(model_keys) == 24 and all(is_adapter(k) for k in model_keys)
+    assert all(is_adapter(k.split(".", 2)[2]) for k in index if k.startswith("optimizer.state."))
+    # 15k adapter parameters × 3 (weights, 2 moments) and DCP's ~0.5 kB per tensor piece; the base alone is 4.8 MB
+    assert sum(p.stat().st_size for p in sharded.glob("*.distcp")) < 600_000
+    mine = raysft.export(sharded, tmp_path / "a")
+    theirs = raysft.export(checkpoint_dirs(ref_dir)[-1], tmp_path / "b")
+    a, b = load_file(mine / ADAPTER_WEIGHTS), load_file(theirs / ADAPTER_WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(RuntimeError, match="ConfigError: .*model.lora must match"):  # part of the run identity
+        gloo_pool.run(launch, run_config(tmp_path, "resumed", **{**LORA, "model.lora.r": 8}))
+
+
+def test_merged_and_adapter_exports_give_the_live_models_logits(tmp_path, reference):
+    """From the full checkpoint of a run trained from scratch: the merged export loads in transformers, the adapter
+    export in peft on top of the seeded base, and both give the logits the sharded model computed."""
+    _, run_dir, live = reference
+    ckpt = checkpoint_dirs(run_dir)[-1]
+    merged = raysft.export(ckpt, tmp_path / "merged", merge=True)
+    assert not (merged / ADAPTER_CONFIG).exists()
+    model = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=IDS).logits, live, rtol=1e-4, atol=1e-4)
+
+    adapter = raysft.export(ckpt, tmp_path / "adapter")
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= {p.name for p in adapter.iterdir()}
+    assert not (adapter / "model.safetensors").exists()
+    base = build_full_model(ModelConfig(), AutoConfig.from_pretrained(adapter), seed=0)
+    with torch.no_grad():  # the adapters matter: the base alone gives other logits
+        assert not torch.allclose(base(input_ids=IDS).logits, live, atol=1e-2)
+    peft_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=IDS).logits, live, rtol=1e-4, atol=1e-4)
+    # raysft chat takes the adapter directory, the merged model and the checkpoint, and they answer alike
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = {ChatModel.load(p).reply(messages, max_new_tokens=8) for p in (adapter, merged, ckpt)}
+    assert len(answers) == 1, answers
+    full_ft = tmp_path / "full-ft"  # a full fine-tuning checkpoint's state: no adapters to merge
+    full_ft.mkdir()
+    (full_ft / STATE_FILE).write_text(json.dumps({"format_version": 1, "mode": "full", "step": 1, "cursor": {},
+                                                  "scheduler": {}, "world_size": 1}))
+    with pytest.raises(ValueError, match="--merge applies to LoRA checkpoints"):
+        raysft.export(full_ft, tmp_path / "no", merge=True)
+
+
+STRATEGY_VARIANTS = [  # (sharding, activation checkpointing, mixed precision, packing): all of it with LoRA
+    ("FULL_SHARD", "full", "bf16", True), ("SHARD_GRAD_OP", "none", "fp32", False),
+    ("HYBRID_SHARD", "2", "fp32", False), ("NO_SHARD", "full", "fp32", False)]
+
+
+def _train_each_strategy(ctx, config: dict, store: Path) -> None:
+    for sharding, ac, precision, packing in STRATEGY_VARIANTS:
+        cfg = TrainConfig.from_dict(config)
+        p = cfg.parallel
+        p.sharding, p.activation_checkpointing, p.mixed_precision = sharding, ac, precision
+        p.hsdp_shard_size, cfg.data.packing = 2 if sharding == "HYBRID_SHARD" else 0, packing
+        cfg.run.name = f"{sharding}-{ac}-{precision}"
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx).train()
+
+
+def test_lora_trains_alike_in_every_strategy_with_checkpointing_mixed_precision_and_packing(tmp_path, gloo_pool4):
+    """4 gloo processes: frozen base and adapters in the same FSDP2 groups, against one process with peft."""
+    from test_strategies import STEPS as N
+    from test_strategies import reference as one_process
+
+    cfg = tiny_config(tmp_path, **{**LORA, "train.max_steps": N, "train.global_batch_size": 16,
+                                   "train.micro_batch_size": 2, "scaling.num_workers": 4})
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    gloo_pool4.run(_train_each_strategy, cfg.to_dict(), store)
+    ref_losses, _ = one_process(cfg, store)
+    assert ref_losses[-1] < ref_losses[0]
+    for sharding, ac, precision, _ in STRATEGY_VARIANTS:
+        name = f"{sharding}-{ac}-{precision}"
+        losses = [m["loss"] for m in read_metrics(cfg.run_dir.parent / name) if "loss" in m]
+        tol = dict(rtol=1e-5, atol=1e-6) if precision == "fp32" else dict(rtol=2e-2, atol=0)
+        torch.testing.assert_close(losses, ref_losses, **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_lora_resumes_on_another_worker_count_and_strategy(tmp_path, gloo_pool4, gloo_pool, reference):
+    """4 workers, HYBRID_SHARD, sharded checkpoint → 2 workers, FULL_SHARD, full checkpoint: the same samples and
+    steps as the uninterrupted 2-worker run (only the reduction order differs)."""
+    ref_losses = reference[0]
+    for pool, sets in ((gloo_pool4, {"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
+                                     "parallel.hsdp_shard_size": 2, "checkpoint.mode": "sharded",
+                                     "train.stop_at_step": 3}),
+                       (gloo_pool, {"checkpoint.mode": "full", "train.stop_at_step": 6})):
+        pool.run(launch, cfg := run_config(tmp_path, "elastic", **{**LORA, "train.micro_batch_size": 2, **sets}))
+    losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in losses] == list(range(1, 7))
+    torch.testing.assert_close([v for _, v in losses], [v for _, v in ref_losses[:6]], rtol=1e-4, atol=1e-5)
+
+
+def test_a_missing_peft_is_a_config_error_naming_the_key_and_the_extra(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"'model.lora'.*raysft\[lora\]"):
+        load_config(None, ["model.lora.r=8"])
+    load_config(None, ["model.lora.r=0"])  # full fine-tuning does not need it
+
+
+def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
+    from raysft.resume import preflight
+
+    cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj, qkv_proj]"])
+    preflight(cfg, load_tokenizer(cfg.model, "auto"), 10_000)  # peft adapts the layers that match any name
+    cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[qkv_proj]"])
+    with pytest.raises(ConfigError, match="model.lora.target_modules.*qkv_proj"):
+        preflight(cfg, load_tokenizer(cfg.model, "auto"), 10_000)
+
+
+def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_adapter_chat_loads(tmp_path,
+                                                                                                gloo_pool):
+    """model.path: a sharded HF directory. The merged export streams its safetensors shards; the adapter export
+    names it as peft's base_model_name_or_path; both give the same logits, and `raysft chat` loads the adapter."""
+    from raysft.cli import main
+
+    tokenizer = load_tokenizer(ModelConfig(), "auto")
+    base_dir = tmp_path / "base"
+    build_full_model(ModelConfig(), load_model_config(ModelConfig(), tokenizer), seed=3).save_pretrained(
+        base_dir, max_shard_size="2MB")
+    tokenizer.save_pretrained(base_dir)
+    assert (base_dir / "model.safetensors.index.json").is_file()
+    cfg = run_config(tmp_path, "pretrained", **{**LORA, "model.path": str(base_dir), "train.max_steps": 2,
+                                                "checkpoint.mode": "sharded"})
+    gloo_pool.run(launch, cfg)
+    ckpt = checkpoint_dirs(cfg.run_dir)[-1]
+    assert main(["export", str(ckpt), str(tmp_path / "merged"), "--merge", "--max-shard-mb", "1"]) == 0
+    assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()  # streamed in 1 MiB shards
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
+    adapter = raysft.export(ckpt, tmp_path / "adapter")
+    assert json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == str(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
+    with torch.no_grad():
+        base_logits = base(input_ids=IDS).logits
+        peft_logits = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=IDS).logits
+        torch.testing.assert_close(merged(input_ids=IDS).logits, peft_logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(base_logits, peft_logits, atol=1e-3)  # two steps at lr 1e-2 moved the adapters
+    chat = ChatModel.load(adapter)
+    assert isinstance(chat.reply([{"role": "user", "content": "Hi"}], max_new_tokens=4), str)
+
+
+def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_the_reverse(tmp_path):
+    from raysft.resume import claim_run_dir
+
+    for first, then in ((4, 0), (0, 4)):
+        claim_run_dir(run_config(tmp_path, f"r{first}", **{**LORA, "model.lora.r": first}), "data")
+        with pytest.raises(ConfigError, match="model.lora must match"):
+            claim_run_dir(run_config(tmp_path, f"r{first}", **{**LORA, "model.lora.r": then}), "data")
