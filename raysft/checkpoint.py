@@ -81,6 +81,7 @@ class CheckpointSaveError(CheckpointError):
 class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
+    eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
 
 
 @dataclass
@@ -218,6 +219,7 @@ def _write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Tra
         "scheduler": objs.scheduler.state_dict(),
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
+        "eval_loss": state.eval_loss,
     }, indent=1))
 
 

@@ -6,8 +6,8 @@ The layouts themselves (full, sharded) live in raysft.checkpoint; where a finish
 - `DirectorySink`: every rank writes its part straight into one staging directory inside the run
   (`<run>/.staging/`, on the run's local or shared filesystem); once the manifest is written, rank 0 renames it to
   `<run>/checkpoint_<step>`: each byte is written once, and a directory named like a checkpoint is always whole.
-  Without Ray it also prunes to `checkpoint.keep`; under Ray, `on_commit` registers the checkpoint where it lies
-  (`checkpoint_upload_mode=NO_UPLOAD`) and Ray prunes.
+  Without Ray it also prunes (`checkpoint.keep`, or `keep_best`: raysft.retention); under Ray, `on_commit`
+  registers the checkpoint where it lies (`checkpoint_upload_mode=NO_UPLOAD`) and Ray prunes by the same rule.
 - `ScratchSink`: each rank writes into a node-local scratch directory and hands it to `report`, which copies it
   (Ray's upload to remote storage such as s3://); the scratch copy is removed afterwards.
 - `UploadSink`: the same without Ray: each rank uploads its own files, rank 0 the manifest last.
@@ -43,6 +43,7 @@ from raysft.checkpoint import (
 )
 from raysft.collectives import all_ranks, count_ranks
 from raysft.config import CheckpointConfig
+from raysft.retention import to_prune
 from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
@@ -164,8 +165,8 @@ class DirectorySink:
 
     def __init__(self, run_dir: Path, rank: int, keep: int = 0, taken: frozenset[str] = frozenset(),
                  on_commit: Callable[[Path | None, dict], None] | None = None,
-                 on_report: Callable[[dict], None] | None = None):
-        self.run_dir, self.rank, self.keep = Path(run_dir), rank, keep
+                 on_report: Callable[[dict], None] | None = None, keep_best: int = 0):
+        self.run_dir, self.rank, self.keep, self.keep_best = Path(run_dir), rank, keep, keep_best
         self.taken = set(taken)
         self.on_commit, self.on_report = on_commit, on_report
 
@@ -189,7 +190,7 @@ class DirectorySink:
                 fsync(self.run_dir)  # the rename itself is durable
                 with contextlib.suppress(OSError):  # the staging area, once empty, goes too
                     staged.parent.rmdir()
-                if self.keep:
+                if self.keep or self.keep_best:
                     self._prune()
             except OSError as e:
                 error[0] = f"{final}: {e}"
@@ -213,7 +214,7 @@ class DirectorySink:
 
     def _prune(self) -> None:
         complete = [d for d in checkpoint_dirs(self.run_dir) if (d / MANIFEST_FILE).is_file()]
-        for old in complete[: -self.keep]:
+        for old in to_prune(complete, self.keep, self.keep_best):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -224,8 +225,9 @@ class UploadSink:
 
     shared = False
 
-    def __init__(self, run_dir: Location, rank: int, keep: int, scratch: Path, taken: frozenset[str] = frozenset()):
-        self.run_dir, self.rank, self.keep, self.scratch = run_dir, rank, keep, scratch
+    def __init__(self, run_dir: Location, rank: int, keep: int, scratch: Path, taken: frozenset[str] = frozenset(),
+                 keep_best: int = 0):
+        self.run_dir, self.rank, self.keep, self.scratch, self.keep_best = run_dir, rank, keep, scratch, keep_best
         self.taken = set(taken)
         self.names: dict[Path, str] = {}
 
@@ -249,9 +251,9 @@ class UploadSink:
         try:
             if not failed and self.rank == 0:
                 (final / MANIFEST_FILE).upload(staged / MANIFEST_FILE)
-                if self.keep:
+                if self.keep or self.keep_best:
                     complete = [d for d in self.run_dir.dirs(CHECKPOINT_PREFIX) if (d / MANIFEST_FILE).is_file()]
-                    for old in complete[: -self.keep]:
+                    for old in to_prune(complete, self.keep, self.keep_best):
                         old.fs.delete_dir(old.path)
         except OSError as e:
             error = e

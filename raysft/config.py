@@ -51,6 +51,11 @@ class DataConfig:
     each twice), the same records on every run."""
     system_prompt: str = ""
     """A system message for the conversations that have none ("": none added)."""
+    eval_paths: list[str | dict] = field(default_factory=list)
+    """Validation conversations, in the formats of `paths`, tokenized into a store of their own."""
+    eval_fraction: float = 0.0
+    """Instead of eval_paths: hold this share of the records of `paths` out of training for validation (the same
+    records on every run, chosen by each source's content hash and record index; none is in both)."""
     chat_template: str = "auto"
     """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
     max_seq_len: int = 512
@@ -111,6 +116,9 @@ class TrainLoopConfig:
     metrics.jsonl gets every step, written at these steps, checkpoints and reports."""
     report_every_n_steps: int = 0
     """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
+    eval_every_n_steps: int = 0
+    """With validation data (data.eval_paths or data.eval_fraction): the eval loss every N steps and at every
+    checkpoint; 0: at every checkpoint only."""
 
 
 # model.attn_implementation: transformers' built-in kernels; anything registered with transformers'
@@ -156,6 +164,9 @@ class CheckpointConfig:
     checkpoint is reported to Ray once every rank's part is durable."""
     keep: int = 2
     """Checkpoints kept by Ray (num_to_keep); the latest is never deleted."""
+    keep_best: int = 0
+    """Instead of `keep`: the N checkpoints of lowest eval loss plus the latest (needs validation data); Ray's
+    checkpoint_score_attribute "eval_loss". `raysft export RUN_DIR OUT --checkpoint best` exports the best."""
 
 
 @dataclass
@@ -187,6 +198,20 @@ class RunConfig:
     node must reach it; checkpoints, metrics.jsonl and the run's small files live in <storage_path>/<name>."""
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
+@dataclass
+class MetricsConfig:
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers fed by rank 0 beside metrics.jsonl: any of TRACKERS (each its optional extra, e.g.
+    `pip install 'raysft[mlflow]'`). TensorBoard writes <run>/tensorboard; W&B honours WANDB_MODE (offline...)."""
+    project: str = "raysft"
+    """The MLflow experiment and the W&B project; the tracker run is named run.name."""
+    mlflow_tracking_uri: str = ""
+    """MLflow server or store URI; empty: MLFLOW_TRACKING_URI, else sqlite:///<run>/mlflow.db (a local run)."""
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -196,6 +221,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -389,11 +415,12 @@ def validate(cfg: TrainConfig) -> None:
     _require(t.report_every_n_steps >= 0, "train.report_every_n_steps", f"must be >= 0, got {t.report_every_n_steps}")
     _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
+    _validate_eval(cfg)
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
     seen: dict[str, str] = {}
     for path, _ in data_sources(d.paths):  # the same file twice would silently double its samples
-        same = path if path.startswith(BUILTIN) else os.path.realpath(os.path.expanduser(path))
+        same = _same_file(path)
         _require(same not in seen, "data.paths", f"lists {seen.get(same)!r} and {path!r}, the same file twice (a "
                  "weight samples a source more or less often: {path: ..., weight: w})")
         seen[same] = path
@@ -411,11 +438,32 @@ def validate(cfg: TrainConfig) -> None:
     _validate_storage(cfg)
 
 
-def data_sources(paths: list[str | dict]) -> list[tuple[str, float]]:
+def _validate_eval(cfg: TrainConfig) -> None:
+    d, t, c = cfg.data, cfg.train, cfg.checkpoint
+    _require(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
+    _require(not (d.eval_paths and d.eval_fraction), "data.eval_fraction",
+             "set data.eval_paths or data.eval_fraction, not both")
+    train = {_same_file(path) for path, _ in data_sources(d.paths)}
+    for path, _ in data_sources(d.eval_paths, "data.eval_paths"):
+        _require(_same_file(path) not in train, "data.eval_paths",
+                 f"{path!r} is also in data.paths: validation on training records measures nothing (use "
+                 "data.eval_fraction to hold records of a training file out)")
+    has_eval = bool(d.eval_paths or d.eval_fraction)
+    _require(t.eval_every_n_steps >= 0, "train.eval_every_n_steps", f"must be >= 0, got {t.eval_every_n_steps}")
+    _require(has_eval or not t.eval_every_n_steps, "train.eval_every_n_steps",
+             "needs validation data: set data.eval_paths or data.eval_fraction")
+    _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
+    _require(has_eval or not c.keep_best, "checkpoint.keep_best",
+             "ranks checkpoints by eval loss: set data.eval_paths or data.eval_fraction")
+    unknown = [name for name in cfg.metrics.trackers if name not in TRACKERS]
+    _require(not unknown, "metrics.trackers", f"{unknown[0] if unknown else ''!r} is not one of {', '.join(TRACKERS)}")
+
+
+def data_sources(paths: list[str | dict], name: str = "data.paths") -> list[tuple[str, float]]:
     """(path, weight) of every data.paths entry: a path (weight 1), or {path, weight} with a finite weight > 0."""
     sources = []
     for i, entry in enumerate(paths):
-        key = f"data.paths[{i}]"
+        key = f"{name}[{i}]"
         if isinstance(entry, str):
             sources.append((entry, 1.0))
             continue
@@ -428,6 +476,10 @@ def data_sources(paths: list[str | dict]) -> list[tuple[str, float]]:
                  and weight > 0, key, f"weight must be a finite number > 0, got {weight!r}")
         sources.append((path, float(weight)))
     return sources
+
+
+def _same_file(path: str) -> str:
+    return path if path.startswith(BUILTIN) else os.path.realpath(os.path.expanduser(path))
 
 
 def is_plain_name(name: str) -> bool:
