@@ -87,7 +87,7 @@ class MetricsLogger:
         self._write({"step": step, "time": now, **metrics, **({"eta_s": round(eta, 1)} if eta is not None else {})})
         if self.trackers is not None:
             self.trackers.log(step, metrics)
-        if self.path and (step % self.log_every == 0 or step == self.max_steps):
+        if self.path and (step % self.log_every == 0 or step == self.max_steps or "eval_loss" in metrics):
             self._print(progress_line(step, self.max_steps, metrics, eta))
 
     @staticmethod
