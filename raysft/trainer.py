@@ -162,7 +162,7 @@ class Trainer:
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
             evaluate = self.evaluator is not None and self.evaluator.due(step, self.checkpointer.due(step, stop))
             if save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
-                metrics = self.reduce_metrics(self.evaluator.run(self.model) if evaluate else {})
+                metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
             if save:
                 save_start = time.perf_counter()
@@ -239,12 +239,12 @@ class Trainer:
                 batch.update(loss_inputs(batch.pop("labels")))
             yield to_device(batch, ctx.device), sizes, i == len(parts) - 1
 
-    def reduce_metrics(self, newest: dict | None = None) -> dict:
-        """Collective: log the steps since the last call (see StepTotals) and return the newest one's metrics, with
-        `newest` (the step's eval metrics) added to it."""
+    def reduce_metrics(self, evaluate: bool = False) -> dict:
+        """Collective: log the steps since the last call (see StepTotals) and return the newest one's metrics; with
+        `evaluate`, the eval metrics of the weights now (after the reduction, so that tokens/s leaves eval out)."""
         rows = self.totals.reduce()
-        if rows and newest:
-            rows[-1].update(newest)
+        if evaluate:
+            rows[-1].update(self.evaluator.run(self.model))
         for row in rows:
             self.log.step(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")}, at=row["time"])
         return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}
