@@ -152,15 +152,16 @@ def reference_eval_loss(ckpt: Path, store: Path, out: Path) -> float:
 
 def test_validation_changes_no_training_float_and_resumes_exactly_and_elastically(tmp_path, gloo_pool, gloo_pool4,
                                                                                  uninterrupted):
-    """2 workers to step 6, then 4 workers to the end, validating every 4 steps and at every checkpoint: the
-    training losses are those of a run without validation (bit for bit on the same workers), and every eval loss is
-    the one recomputed in a single process from that step's checkpoint."""
+    """2 workers to step 6, resumed on 2 to step 9, then on 4 workers to the end, validating every 4 steps and at
+    every checkpoint: the training losses are those of a run without validation (bit for bit on the same workers,
+    across the resume), and every eval loss is the one recomputed in a single process from that step's checkpoint."""
     data = {"data.eval_paths": f"[{eval_file(tmp_path)}]", "train.eval_every_n_steps": 4, "checkpoint.keep": 9}
-    gloo_pool.run(launch, run_config(tmp_path, "validated", **data, **{"train.stop_at_step": 6}))
+    for stop in (6, 9):
+        gloo_pool.run(launch, run_config(tmp_path, "validated", **data, **{"train.stop_at_step": stop}))
     cfg = run_config(tmp_path, "validated", **data, **{"scaling.num_workers": 4, "train.micro_batch_size": 2})
     gloo_pool4.run(launch, cfg)
     losses, without_eval = step_losses(cfg.run_dir), uninterrupted[0]
-    assert losses[:6] == without_eval[:6]
+    assert losses[:9] == without_eval[:9]
     torch.testing.assert_close([v for _, v in losses], [v for _, v in without_eval], rtol=1e-4, atol=1e-5)
     evals = {m["step"]: m for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
     assert sorted(evals) == [3, 4, 6, 8, 9, 12]  # every 4 steps and every checkpoint (every 3)
