@@ -59,7 +59,8 @@ def select_checkpoint(path: str | object, which: str = "latest") -> Location | o
         return native(where)
     candidates = [c for c in complete_checkpoints(where) if incomplete_reason(c, checksums=False) is None]
     if not candidates:
-        raise CheckpointError(f"{path}: neither a checkpoint nor a run directory with a complete checkpoint")
+        raise CheckpointError(f"{path}: neither a checkpoint (no {STATE_FILE}) nor a run directory with a complete "
+                              "checkpoint")
     if which == "latest":
         return candidates[-1]
     if which == "best":
