@@ -44,7 +44,7 @@ def _measure(loop: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from raysft.checkpointer import checkpoint_dirs
+    from raysft.checkpoint import checkpoint_dirs
     from raysft.config import TrainConfig
     from raysft.launch import ray_sink, ray_worker_context
     from raysft.trainer import Trainer

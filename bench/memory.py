@@ -29,6 +29,7 @@ def _measure(loop: dict) -> None:
     import torch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from raysft.checkpoint import DirectorySink
     from raysft.config import TrainConfig
     from raysft.launch import ray_worker_context
     from raysft.trainer import Trainer
@@ -40,7 +41,8 @@ def _measure(loop: dict) -> None:
         trim_heap()
     before_model = read()
     with PeakSampler(read) as init:
-        trainer = Trainer(TrainConfig.from_dict(loop["config"]), Path(loop["store"]), None, lambda *a: None, ctx)
+        cfg = TrainConfig.from_dict(loop["config"])
+        trainer = Trainer(cfg, Path(loop["store"]), None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     if gpu:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     trainer.model.train()

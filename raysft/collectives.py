@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 
@@ -28,3 +31,14 @@ def count_ranks(flag: bool) -> int:
     value = torch.tensor([int(flag)], device=default_device())
     dist.all_reduce(value)
     return int(value.item())
+
+
+T = TypeVar("T")
+
+
+def from_rank0(compute: Callable[[], T]) -> T:
+    """Rank 0's `compute()` (only rank 0 runs it), the same on every rank: what one process looks up for all. A
+    `compute` that can fail must return its failure, never raise: the other ranks would wait here for ever."""
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -15,8 +15,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from raysft.sources import (
     source_sha256,
     table_records,
 )
+from raysft.storage import built_then_renamed
 from raysft.tokenizer import tokenizer_fingerprint
 
 __all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreInfo", "prepare_store", "read_manifest", "read_store",
@@ -207,31 +206,23 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     from raysft.prepare_ray import tokenize_on_ray, use_ray
 
     on_ray = use_ray(cfg.prepare, sum(s.bytes for s in sources))
-    # Build beside the final place and rename, so a crash never leaves a half-written store that looks complete.
-    store_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{fingerprint}.", dir=store_root))
+    # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.
     try:
-        counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp, split)
-        manifest = {
-            "fingerprint": fingerprint,
-            "key": key,
-            "sources": source_info,
-            "tokenizer": {"name_or_path": str(tokenizer.name_or_path), "sha256": key["tokenizer"]},
-            "chat_template": tokenizer.chat_template,
-            "labels": labelling(tokenizer, cfg),
-            "counts": counts,
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if store.exists() and not manifest_path.is_file():  # debris of a crash before the rename
-            shutil.rmtree(store)
-        os.replace(tmp, store)
+        with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file()) as tmp:
+            counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp, split)
+            manifest = {
+                "fingerprint": fingerprint,
+                "key": key,
+                "sources": source_info,
+                "tokenizer": {"name_or_path": str(tokenizer.name_or_path), "sha256": key["tokenizer"]},
+                "chat_template": tokenizer.chat_template,
+                "labels": labelling(tokenizer, cfg),
+                "counts": counts,
+            }
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if manifest_path.is_file():  # another process finished the same store first: theirs is identical
             return StoreInfo(store, read_manifest(store)["counts"]["samples"], reused=True)
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return StoreInfo(store, counts["samples"], reused=False, built_with="ray" if on_ray else "local")
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -31,7 +29,7 @@ from raysft.checkpoint import (
 )
 from raysft.dcp_read import SafeLoadPlanner, dcp_reader
 from raysft.resume import RUN_FILE
-from raysft.storage import Location, location, native
+from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FILE = "raysft_export.json"  # marks a directory raysft exported: which checkpoint, which step
@@ -64,9 +62,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     if reason:
         raise CheckpointError(f"{native(ckpt)}: incomplete checkpoint: {reason}")
     check_export_target(out, overwrite, ckpt)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with built_then_renamed(out) as tmp:  # an existing `out` was checked above: an earlier export
         for name in ckpt.files():  # config, generation config, tokenizer: whatever is not weights or training state
             if "/" not in name and name not in TRAINING_FILES and name != MODEL_FILE and not _is_dcp_file(name):
                 (ckpt / name).download(tmp / name)
@@ -79,12 +75,6 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
         write_generation_config(tmp)
         (tmp / EXPORT_FILE).write_text(json.dumps({"checkpoint": str(ckpt), "step": state["step"], "mode": mode},
                                                   indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -2,7 +2,7 @@
 and preemption notices to the Ray-free training loop in raysft.trainer.
 
 Checkpoints on a local or shared (NFS) run.storage_path are written once, by the workers, straight into the run
-directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpointer's
+directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpoint's
 DirectorySink); on remote storage (s3://, ...) each worker writes node-local scratch that Ray uploads."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from ray.train import (
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
-from raysft.checkpoint import CheckpointSaveError
-from raysft.checkpointer import (
+from raysft.checkpoint import (
+    CheckpointSaveError,
     DirectorySink,
     ScratchSink,
     Sink,
@@ -40,7 +40,7 @@ from raysft.checkpointer import (
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.lease import RunLease
-from raysft.local_ray import start_local_ray
+from raysft.local_ray import connect
 from raysft.resume import Stores, prepare_launch
 from raysft.storage import location, use_filesystem
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
@@ -132,12 +132,8 @@ def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
 def connect_ray(scaling: RaysftScaling) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
     with just enough logical CPUs for the workers."""
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        temp = start_local_ray(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+    temp = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+    if temp:
         print(f"raysft: a local Ray of its own; its logs: {temp}/ray/session_latest/logs", flush=True)
 
 
@@ -241,11 +237,8 @@ def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
     on remote storage, Ray's upload from node-local scratch."""
     scored = cfg.checkpoint.keep_best > 0
     if isinstance(cfg.run_dir, Path):
-        sink = DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report,
+        return DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report,
                              on_commit=lambda final, metrics: register_with_ray(final, scored_metrics(metrics, scored)))
-        if rank == 0:
-            sink.clear_staging()  # parts of a launch killed in a save; taken before any rank stages
-        return sink
     return ScratchSink(lambda metrics, ckpt, step: ray_report(scored_metrics(metrics, ckpt is not None and scored),
                                                                ckpt, step, taken),
                        scratch_root(cfg.run.name, cfg.run_dir))

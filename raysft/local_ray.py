@@ -26,6 +26,18 @@ def private_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="raysft-ray-", dir=base)
 
 
+def connect(**local_options) -> str | None:
+    """The Ray this process already uses, the cluster in RAY_ADDRESS, or else a new local Ray of our own (never
+    another one found on this machine; local_options go to ray.init): returns the new one's temp dir when one was
+    started here, which the caller shuts down, else None."""
+    if ray.is_initialized():
+        return None
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+        return None
+    return start_local_ray(**local_options)
+
+
 def start_local_ray(**kwargs) -> str:
     """ray.init a new local Ray with its own temp dir (returned); kwargs go to ray.init."""
     temp = private_temp_dir()

@@ -89,6 +89,19 @@ def build_full_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> n
     return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=torch.float32)
 
 
+def tied_parameter_aliases(model: nn.Module) -> dict[str, str]:
+    """{alias: canonical name} for parameters shared under two names (e.g. lm_head tied to the embedding).
+    safetensors refuses to store shared tensors twice, so aliases are dropped on save and restored on load."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate the (sharded) meta parameters on `device`, keeping the buffers computed at construction."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}

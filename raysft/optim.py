@@ -1,4 +1,4 @@
-"""AdamW and a linear-warmup + cosine-decay learning-rate schedule."""
+"""AdamW, a linear-warmup + cosine-decay learning-rate schedule, and the loss scaler (fp16)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from raysft.config import TrainLoopConfig
+from raysft.config import ParallelConfig, TrainLoopConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainLoopConfig) -> torch.optim.Optimizer:
@@ -25,3 +26,10 @@ def lr_factor(step: int, cfg: TrainLoopConfig) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainLoopConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def build_loss_scaler(cfg: ParallelConfig, device: torch.device) -> ShardedGradScaler:
+    """Dynamic loss scaling for fp16 (its 5-bit exponent underflows small gradients); a pass-through otherwise.
+    The sharded scaler all-reduces the overflow flag, so every rank skips the same steps."""
+    return ShardedGradScaler(device=device.type, init_scale=cfg.fp16_init_scale,
+                             enabled=cfg.mixed_precision == "fp16")

@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from raysft.config import ConfigError, ParallelConfig
 from raysft.model import decoder_layer_classes
@@ -131,10 +130,3 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.M
     # 4. The root holds what is left: embeddings, final norm, LM head (kept together so tied weights stay tied).
     fully_shard(model, **fsdp_kwargs)
     return model
-
-
-def build_loss_scaler(cfg: ParallelConfig, device: torch.device) -> ShardedGradScaler:
-    """Dynamic loss scaling for fp16 (its 5-bit exponent underflows small gradients); a pass-through otherwise.
-    The sharded scaler all-reduces the overflow flag, so every rank skips the same steps."""
-    return ShardedGradScaler(device=device.type, init_scale=cfg.fp16_init_scale,
-                             enabled=cfg.mixed_precision == "fp16")

@@ -234,14 +234,6 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
 def _connect_ray() -> bool:
     """The running Ray, the cluster in RAY_ADDRESS, or else a local Ray started here: True then, and the caller shuts
     it down (`raysft train` then starts its own, sized for the workers)."""
-    import ray
+    from raysft.local_ray import connect
 
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-        return False
-    from raysft.local_ray import start_local_ray
-
-    start_local_ray(include_dashboard=False)  # its own, never another Ray found on this machine
-    return True
+    return connect(include_dashboard=False) is not None

@@ -3,7 +3,7 @@
 Retention is checkpoint.keep (the newest N) or, with checkpoint.keep_best, the N of lowest eval loss plus the
 newest: Ray's own rule for `CheckpointConfig(num_to_keep=N, checkpoint_score_attribute="eval_loss",
 checkpoint_score_order="min")`, which prunes the checkpoints it registers. Without Ray raysft prunes by the same
-rule (raysft.checkpointer's sinks), so a run's directory looks the same either way. A checkpoint's eval loss is
+rule (raysft.checkpoint's sinks), so a run's directory looks the same either way. A checkpoint's eval loss is
 the one recorded in its trainer_state.json; one that was not validated ranks last.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 
-from raysft.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError, incomplete_reason
+from raysft.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError, checkpoint_dirs, incomplete_reason
 from raysft.storage import Location, location, native
 
 
@@ -44,8 +44,6 @@ def to_prune(complete: list, keep: int, keep_best: int = 0) -> list:
 
 def complete_checkpoints(run_dir) -> list:
     """The run's checkpoints that have a manifest, oldest first."""
-    from raysft.checkpointer import checkpoint_dirs
-
     return [d for d in checkpoint_dirs(run_dir) if (location(d) / MANIFEST_FILE).is_file()]
 
 

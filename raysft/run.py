@@ -18,13 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raysft.checkpointer import (
-    DirectorySink,
-    UploadSink,
-    clear_scratch,
-    existing_checkpoint_names,
-    scratch_root,
-)
+from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.lease import RunInUse, RunLease
 from raysft.resume import Stores, prepare_launch
@@ -116,11 +110,8 @@ def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> Trai
     if isinstance(config.run_dir, Path):
         sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken,
                              keep_best=config.checkpoint.keep_best)
-        if ctx.rank == 0:
-            sink.clear_staging()  # parts a killed launch left; no rank stages before the collectives that follow
     else:
         scratch = scratch_root(config.run.name, config.run_dir)
-        clear_scratch(scratch)
         sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken, config.checkpoint.keep_best)
     return resume_trainer(config, stores.train, ctx, sink, eval_store=stores.eval)
 

@@ -19,6 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raysft.storage import hash_stream
+
 HF_STATE_FILE = "state.json"  # what Dataset.save_to_disk writes beside its Arrow files
 HF_DICT_FILE = "dataset_dict.json"  # DatasetDict.save_to_disk: one directory per split
 
@@ -107,8 +109,7 @@ def source_sha256(path: Path) -> str:
         if path.is_dir():
             h.update(str(f.relative_to(path)).encode() + b"\0")
         with f.open("rb") as data:
-            while chunk := data.read(1 << 20):
-                h.update(chunk)
+            hash_stream(data, h)
     return h.hexdigest()
 
 

@@ -1,5 +1,5 @@
 """The training loop that runs on every worker. It needs torch.distributed, not Ray: Ray is plugged in through the
-checkpoint `sink` (progress and checkpoints, raysft.checkpointer) and `resume_dir` (the checkpoint to continue
+checkpoint `sink` (progress and checkpoints, raysft.checkpoint) and `resume_dir` (the checkpoint to continue
 from)."""
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import TrainingObjects, TrainState, tied_parameter_aliases
-from raysft.checkpointer import Checkpointer, ScratchSink, Sink, find_resume_dir, scratch_root
+from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, TrainState, find_resume_dir
 from raysft.collectives import any_rank
 from raysft.config import TrainConfig
 from raysft.dataloader import (
@@ -41,9 +39,15 @@ from raysft.metrics import (
     peak_tflops,
     training_flops,
 )
-from raysft.model import build_meta_model, load_initial_weights, load_model_config, materialize
-from raysft.optim import build_lr_scheduler, build_optimizer
-from raysft.parallelize import build_loss_scaler, build_mesh, gather_node_ranks, mesh_shape, parallelize
+from raysft.model import (
+    build_meta_model,
+    load_initial_weights,
+    load_model_config,
+    materialize,
+    tied_parameter_aliases,
+)
+from raysft.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
+from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize
 from raysft.tokenizer import load_tokenizer
 
 
@@ -60,12 +64,6 @@ def use_deterministic_kernels(device: torch.device) -> None:
 
 
 PREEMPTION_CHECK_S = 1.0  # how often Ray is asked for a preemption notice (a barrier); a notice gives tens of seconds
-
-
-class Reporter(Protocol):
-    def __call__(self, metrics: dict, checkpoint_dir: Path | None, step: int) -> None:
-        """Called by every rank at the same steps; checkpoint_dir is set on ranks that wrote files. A Trainer given
-        one writes checkpoints to node-local scratch and hands them to it (`ScratchSink`)."""
 
 
 @dataclass
@@ -96,11 +94,11 @@ class Trainer:
     when the deadline is nearer than two steps and a save, so that only the steps after that are redone.
     """
 
-    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink | Reporter,
+    def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink,
                  ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None,
                  eval_store: Path | None = None):
         self.cfg, self.ctx = cfg, ctx
-        self.sink = sink if hasattr(sink, "stage") else ScratchSink(sink, scratch_root(cfg.run.name, cfg.run_dir))
+        self.sink = sink
         self.preemption_deadline = preemption_deadline
         self.deadline: float | None = None  # of an announced preemption
         self.last_chance_taken = False

@@ -65,10 +65,11 @@ def _peek(name: str, step: int) -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches raysft.checkpoint and raysft.trainer as they are imported, before anything binds their names."""
+    """Patches the Checkpointer's module and raysft.trainer as they are imported, before anything binds their
+    names."""
 
     def find_spec(self, name, path, target=None):
-        if name not in ("raysft.checkpoint", "raysft.trainer"):
+        if name not in ("raysft.checkpoint.checkpointer", "raysft.trainer"):
             return None
         sys.meta_path.remove(self)
         try:
@@ -79,32 +80,35 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             execute(module)
-            (_patch_checkpoint if name == "raysft.checkpoint" else _patch_trainer)(module)
+            (_patch_checkpoint if name == "raysft.checkpoint.checkpointer" else _patch_trainer)(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
 def _patch_checkpoint(module) -> None:
+    """module: raysft.checkpoint.checkpointer, whose Checkpointer calls start_save."""
     import torch.distributed as dist
 
-    start_save, save_file = module.start_save, module.save_file
+    import raysft.checkpoint.full as full
+
+    start_save, write_safetensors = module.start_save, full.write_safetensors
 
     def faulty_start_save(out_dir, mode, objs, state, asynchronous=False, shared=False):
         rank0 = dist.get_rank() == 0
         if rank0 and _peek("disk_full", state.step):
             _take("disk_full")
 
-            def full_disk(tensors, path, metadata=None):
-                if Path(path).name == module.MODEL_FILE:
+            def full_disk(path, tensors, metadata=None):
+                if Path(path).name == full.MODEL_FILE:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-                return save_file(tensors, path, metadata=metadata)
+                return write_safetensors(path, tensors, metadata=metadata)
 
-            module.save_file = full_disk
+            full.write_safetensors = full_disk
             try:
                 return start_save(out_dir, mode, objs, state, asynchronous, shared)
             finally:
-                module.save_file = save_file
+                full.write_safetensors = write_safetensors
         pending = start_save(out_dir, mode, objs, state, asynchronous, shared)
         if rank0 and _peek("pause_in_save", state.step):
             _take("pause_in_save")

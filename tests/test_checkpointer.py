@@ -13,8 +13,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, auto_mode, incomplete_reason
-from raysft.checkpointer import STAGING_DIR, DirectorySink, checkpoint_dirs
+from raysft.checkpoint import (
+    MANIFEST_FILE,
+    STAGING_DIR,
+    CheckpointError,
+    DirectorySink,
+    auto_mode,
+    checkpoint_dirs,
+    incomplete_reason,
+)
 from raysft.data import prepare_store
 from raysft.hf_export import INDEX_FILE
 from raysft.run import launch
@@ -42,7 +49,7 @@ def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, g
 def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
     """Async saves hold the state of the step they were asked for while training goes on, and a write that fails
     in the background fails the save on every rank and leaves nothing of it behind."""
-    import raysft.checkpoint as ckpt_module
+    import raysft.checkpoint.full as ckpt_module
 
     trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     checkpointer = trainer.checkpointer
@@ -61,15 +68,15 @@ def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
         checkpointer.finish()
         dist.barrier()
 
-    original = ckpt_module.save_file
+    original = ckpt_module.write_safetensors
 
-    def failing_save_file(tensors, path, metadata=None):
+    def failing_write(path, tensors, metadata=None):
         if Path(path).name == "model.safetensors":
             raise OSError("No space left on device (injected)")
-        return original(tensors, path, metadata=metadata)
+        return original(path, tensors, metadata=metadata)
 
     if ctx.rank == 0:
-        ckpt_module.save_file = failing_save_file
+        ckpt_module.write_safetensors = failing_write
     try:
         checkpointer.save(trainer.state, trainer.train_step())
         trainer.train_step()
@@ -77,7 +84,7 @@ def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
     except CheckpointError as e:
         return str(e)
     finally:
-        ckpt_module.save_file = original
+        ckpt_module.write_safetensors = original
     return "no error"
 
 
@@ -105,3 +112,19 @@ def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gl
                                                          (14 * 12, 512, "sharded")])
 def test_auto_mode_gathers_only_what_rank_0_can_hold_four_times(state_gb, available_gb, mode):
     assert auto_mode(state_gb * 2**30, available_gb * 2**30) == mode
+
+
+def test_safetensors_written_from_memory_read_back_by_safetensors_with_the_hash_of_the_file(tmp_path):
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    from raysft.checkpoint.full import write_safetensors
+
+    tensors = {"w": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "scalar": torch.tensor(3),
+               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False]), "ids": torch.arange(5)}
+    digest = write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+    assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import raysft
+from raysft.checkpoint import DirectorySink
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import ray_worker_context
@@ -33,7 +34,8 @@ def two_node_cluster(tmp_path_factory):
 
 def _train_and_dump_shards(loop: dict) -> None:
     ctx = ray_worker_context()
-    trainer = Trainer(TrainConfig.from_dict(loop["config"]), Path(loop["store"]), None, lambda *a: None, ctx)
+    cfg = TrainConfig.from_dict(loop["config"])
+    trainer = Trainer(cfg, Path(loop["store"]), None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     trainer.train()
     params = dict(trainer.model.named_parameters())
     out = Path(loop["out"])

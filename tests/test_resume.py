@@ -3,7 +3,7 @@
 import pytest
 from conftest import tiny_config
 
-from raysft.checkpointer import checkpoint_name
+from raysft.checkpoint import checkpoint_name
 from raysft.config import ConfigError
 from raysft.resume import RUN_FILE, claim_run_dir
 

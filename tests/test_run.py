@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE, STATE_FILE, CheckpointError
-from raysft.checkpointer import STAGING_DIR, checkpoint_dirs
+from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, STATE_FILE, CheckpointError, checkpoint_dirs
 from raysft.cli import main as cli
 from raysft.data import IGNORE_INDEX, prepare_store, read_store
 from raysft.demo import DEMO_CONVERSATIONS

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import raysft
-import raysft.checkpoint as ckpt_module
+import raysft.checkpoint.manifest as manifest_module
+import raysft.checkpoint.sharded as ckpt_module
 from raysft import lease as lease_module
 from raysft import storage
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason
-from raysft.checkpointer import checkpoint_dirs
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, ScratchSink, checkpoint_dirs, incomplete_reason
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.dcp_read import StorageReader
@@ -162,7 +162,7 @@ def test_the_manifest_check_on_s3_compares_sizes_and_the_small_files_checksums(t
     local.mkdir()
     (local / "__0_0.distcp").write_bytes(os.urandom(4096))
     (local / "trainer_state.json").write_text('{"step": 3}')
-    ckpt_module._write_manifest(local, 3, [ckpt_module._durable_file_list(local)])
+    manifest_module.write_manifest(local, 3, [manifest_module.durable_file_list(local)])
     remote = location(prefix) / "ckpt"
     for name in local.iterdir():
         (remote / name.name).upload(name)
@@ -268,7 +268,7 @@ def _load_from_storage(loop: dict) -> None:
     ckpt_module.dcp_reader = recording_reader
     try:
         trainer = Trainer(TrainConfig.from_dict(loop["config"]), Path(loop["store"]), loop["checkpoint"],
-                          lambda *a: None, ctx)
+                          ScratchSink(lambda *a: None, Path(loop["out"]) / f"scratch{ctx.rank}"), ctx)
     finally:
         ckpt_module.dcp_reader = original
     Path(loop["out"], f"rank{ctx.rank}.json").write_text(json.dumps({

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from raysft.checkpointer import DirectorySink
+from raysft.checkpoint import DirectorySink
 from raysft.config import TrainConfig
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate

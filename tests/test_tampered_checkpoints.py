@@ -16,10 +16,16 @@ import torch
 import torch.distributed as dist
 from conftest import tiny_config
 
-import raysft.checkpoint as ckpt_module
+import raysft.checkpoint.manifest as manifest_module
 from raysft.chat import ChatModel
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason, read_trainer_state
-from raysft.checkpointer import checkpoint_name, find_resume_dir
+from raysft.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointError,
+    DirectorySink,
+    find_resume_dir,
+    incomplete_reason,
+    read_trainer_state,
+)
 from raysft.cli import main
 from raysft.data import prepare_store
 from raysft.dcp_read import dcp_reader
@@ -47,14 +53,10 @@ def gloo():
 
 def trainer(cfg, resume_dir=None) -> Trainer:
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
-
-    def report(metrics, checkpoint_dir, step):  # what Ray's upload does: the part lands in the run directory
-        if checkpoint_dir is not None:
-            taken = frozenset(p.name for p in cfg.run_dir.glob("checkpoint_*"))
-            shutil.copytree(checkpoint_dir, cfg.run_dir / checkpoint_name(step, taken))
-
     claim_run_dir(cfg, store.name)
-    return Trainer(cfg, store, resume_dir, report, WorkerContext(rank=0, world_size=1, device=torch.device("cpu")))
+    taken = frozenset(p.name for p in cfg.run_dir.glob("checkpoint_*"))
+    return Trainer(cfg, store, resume_dir, DirectorySink(cfg.run_dir, 0, taken=taken),
+                   WorkerContext(rank=0, world_size=1, device=torch.device("cpu")))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def copy(ckpt: Path, dest: Path) -> Path:
 def resign(ckpt: Path) -> None:
     """Write a manifest that matches the files as they are now: the manifest proves completeness, not origin."""
     (ckpt / MANIFEST_FILE).unlink()
-    ckpt_module._write_manifest(ckpt, 1, [ckpt_module._durable_file_list(ckpt)])
+    manifest_module.write_manifest(ckpt, 1, [manifest_module.durable_file_list(ckpt)])
 
 
 class RunsCode:

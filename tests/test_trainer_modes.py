@@ -5,7 +5,6 @@ within float tolerance, and a run stopped and resumed (deterministic kernels on)
 for bit."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from conftest import tiny_config
 from safetensors.torch import load_file
 
+from raysft.checkpoint import DirectorySink
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.metrics import read_metrics
@@ -41,12 +41,7 @@ def _run(rank: int, world_size: int, init: str, runs: list[tuple[str, dict, str 
     try:
         for _, cfg_dict, resume in runs:
             cfg = TrainConfig.from_dict(cfg_dict)
-
-            def merge_like_ray(metrics, checkpoint_dir, step, cfg=cfg):  # every rank's part into one directory
-                if checkpoint_dir is not None:
-                    shutil.copytree(checkpoint_dir, cfg.run_dir / f"checkpoint_{step:08d}", dirs_exist_ok=True)
-
-            trainer = Trainer(cfg, Path(store), Path(resume) if resume else None, merge_like_ray,
+            trainer = Trainer(cfg, Path(store), Path(resume) if resume else None, DirectorySink(cfg.run_dir, rank),
                               WorkerContext(rank, world_size, torch.device("cpu")))
             if cfg.parallel.compile:
                 from torch._dynamo.utils import counters

@@ -15,8 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 import raysft
-from raysft.checkpoint import save
-from raysft.checkpointer import DirectorySink
+from raysft.checkpoint import DirectorySink, save
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.metrics import read_metrics

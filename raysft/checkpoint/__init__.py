@@ -1,0 +1,50 @@
+"""Checkpoints of the whole training state, and the one object that takes them (`Checkpointer`).
+
+Modules, by role:
+  checkpointer  cadence, layout choice, one save at a time in the background, commit through a Sink, load
+  layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
+  full          rank 0 gathers and writes an HF model directory (model.safetensors) plus the optimizer state
+  sharded       every rank writes its own DCP shards; loads reshard to any topology
+  manifest      every file's size and sha256, written last: what makes a checkpoint complete
+  state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors
+  sinks         where parts are written and how a finished checkpoint is committed (run dir, upload, Ray)
+  discovery     names, the checkpoint to resume from, pruning
+"""
+
+from raysft.checkpoint.checkpointer import Checkpointer, auto_mode, choose_mode
+from raysft.checkpoint.discovery import (
+    CHECKPOINT_PREFIX,
+    checkpoint_dirs,
+    checkpoint_name,
+    existing_checkpoint_names,
+    find_resume_dir,
+)
+from raysft.checkpoint.full import local_copy
+from raysft.checkpoint.layouts import TRAINING_FILES, load, save, start_save
+from raysft.checkpoint.manifest import MANIFEST_FILE, MODEL_FILE, incomplete_reason, is_payload, read_manifest
+from raysft.checkpoint.sharded import read_index
+from raysft.checkpoint.sinks import (
+    STAGING_DIR,
+    DirectorySink,
+    ScratchSink,
+    Sink,
+    UploadSink,
+    clear_scratch,
+    scratch_root,
+)
+from raysft.checkpoint.state import (
+    STATE_FILE,
+    CheckpointError,
+    CheckpointSaveError,
+    TrainingObjects,
+    TrainState,
+    read_trainer_state,
+)
+
+__all__ = [
+    "CHECKPOINT_PREFIX", "MANIFEST_FILE", "MODEL_FILE", "STAGING_DIR", "STATE_FILE", "TRAINING_FILES",
+    "CheckpointError", "CheckpointSaveError", "Checkpointer", "DirectorySink", "ScratchSink", "Sink", "TrainState",
+    "TrainingObjects", "UploadSink", "auto_mode", "checkpoint_dirs", "checkpoint_name", "choose_mode",
+    "clear_scratch", "existing_checkpoint_names", "find_resume_dir", "incomplete_reason", "is_payload", "load",
+    "local_copy", "read_index", "read_manifest", "read_trainer_state", "save", "scratch_root", "start_save",
+]

@@ -1,0 +1,104 @@
+"""The Checkpointer: the one object training talks to. It owns when to save, the layout (full or sharded, "auto"
+picks by size), one save at a time written in the background with checkpoint.async, committing it through a Sink,
+and loading a checkpoint back. Plain torch.distributed: the same code checkpoints under Ray and under torchrun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from torch import nn
+
+from raysft.checkpoint.layouts import PendingSave, load, start_save
+from raysft.checkpoint.sinks import Sink
+from raysft.checkpoint.state import CheckpointSaveError, TrainingObjects, TrainState
+from raysft.collectives import all_ranks, from_rank0
+from raysft.config import CheckpointConfig
+from raysft.storage import Location
+
+
+def choose_mode(mode: str, model: nn.Module) -> str:
+    """Collective for "auto": full while rank 0's host can comfortably hold the gathered fp32 weights and AdamW
+    moments (12 bytes per parameter) beside everything else, sharded beyond. The same answer on every rank."""
+    if mode != "auto":
+        return mode
+    numel = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size, the same on every rank
+    return from_rank0(lambda: auto_mode(12 * numel, available_memory_bytes()))
+
+
+def auto_mode(state_bytes: int, available_bytes: int) -> str:
+    """Gathering needs the whole state once on rank 0 (and a copy more with async saves): keep it to a quarter of
+    what the host has available."""
+    return "full" if 4 * state_bytes <= available_bytes else "sharded"
+
+
+def available_memory_bytes() -> int:
+    """What the host can still give this process: MemAvailable on Linux, free pages elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Checkpointer:
+    """Saves the training state at the configured cadence into a Sink, one save at a time, in the background with
+    checkpoint.async; loads it back. Collective where its methods say so."""
+
+    def __init__(self, cfg: CheckpointConfig, objs: TrainingObjects, sink: Sink, log, rank: int):
+        self.cfg, self.objs, self.sink, self.log, self.rank = cfg, objs, sink, log, rank
+        self.mode = choose_mode(cfg.mode, objs.model)
+        self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
+
+    def load(self, ckpt_dir: Path | Location) -> TrainState:
+        return load(ckpt_dir, self.objs)
+
+    def due(self, step: int, stop: int) -> bool:
+        return step % self.cfg.every_n_steps == 0 or step == stop
+
+    def save(self, state: TrainState, metrics: dict) -> None:
+        """Collective: snapshot the state and write it (in the background with checkpoint.async); `finish` or a
+        later `poll` commits it."""
+        self.finish()  # one save at a time: the previous one must be complete
+        start = time.perf_counter()
+        staged = self.sink.stage(state.step)
+        try:
+            pending = start_save(staged, self.mode, self.objs, state, self.cfg.async_save, shared=self.sink.shared)
+        except BaseException:
+            self.sink.discard(staged) if self.sink.shared else shutil.rmtree(staged, ignore_errors=True)
+            raise
+        self.pending = (pending, {**metrics, "step": state.step, "save_blocking_s": time.perf_counter() - start,
+                                  "save_started": start})
+        if not self.cfg.async_save:
+            self.finish()
+
+    def poll(self, at_step: int) -> None:
+        """Collective: commit the pending save if every rank has finished writing it."""
+        if self.pending is not None and all_ranks(self.pending[0].done()):
+            self.finish(at_step)
+
+    def finish(self, at_step: int | None = None) -> None:
+        """Collective: wait for the pending save (raising CheckpointSaveError on every rank if it failed on any),
+        then commit it."""
+        if self.pending is None:
+            return
+        (pending, metrics), self.pending = self.pending, None
+        try:
+            wrote = pending.finish()
+        except CheckpointSaveError:
+            self.sink.discard(pending.out_dir)
+            raise
+        save_s = time.perf_counter() - metrics.pop("save_started")
+        size_gb = pending.bytes_written / 1e9 if self.rank == 0 else 0.0  # rank 0 wrote the manifest: every size
+        metrics.update(save_s=save_s, save_gb=size_gb, save_gb_per_s=size_gb / save_s)
+        self.sink.commit(pending.out_dir, pending.step, metrics, wrote)
+        self.log.event("checkpoint", step=pending.step, mode=self.mode,
+                       blocking_s=round(metrics["save_blocking_s"], 3), save_s=round(save_s, 3),
+                       gb=round(size_gb, 4), gb_per_s=round(size_gb / save_s, 3),
+                       reported_at_step=pending.step if at_step is None else at_step)
+
+

@@ -1,0 +1,99 @@
+"""The sharded layout: every worker writes its own shards with torch.distributed.checkpoint (DCP),
+`__<rank>_0.distcp`, plus the index `.metadata` from rank 0; replicated tensors (HSDP) are written once.
+
+Loading reshards to any number of workers and any sharding strategy; on remote storage each rank reads just its
+byte ranges. The index (a pickle) and the saved values are read through raysft.dcp_read, which admits only DCP's
+own metadata classes and plain data, so a tampered checkpoint cannot run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from raysft.checkpoint.background import chain, checkpoint_group, run_now
+from raysft.checkpoint.manifest import HashingWriter
+from raysft.checkpoint.state import CheckpointError, TrainingObjects
+from raysft.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
+from raysft.storage import Location
+
+
+def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
+    """Collective: each rank writes __<rank>_0.distcp (the planner writes a replicated tensor once), hashing it on
+    the way."""
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    files = _HashingFileSystem()
+    writer = FileSystemWriter(out_dir)
+    writer.fs = files
+    if not asynchronous:
+        return run_now(lambda: (dcp.save(state, storage_writer=writer), files.hashes)[1])
+    # staged to CPU memory now, written by a background thread that synchronizes over its own gloo group
+    written = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(), async_stager=_stager())
+    return chain([written], lambda: files.hashes)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem, hashing each shard file as DCP writes it: {name: sha256} in `hashes`."""
+
+    def __init__(self):
+        self.hashes: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb" or not str(path).endswith(".distcp"):
+                yield stream
+                return
+            hashing = HashingWriter(stream)
+            yield hashing
+            self.hashes[Path(path).name] = hashing.hexdigest()
+
+
+@functools.cache
+def _stager() -> DefaultStager:
+    """One stager for the process. It keeps the CPU copy it stages into (pinned on CUDA) from one save to the next,
+    so the part of an async save that blocks training is a copy into memory that exists already, not a fresh
+    allocation of the whole state (on CPU, page faults cost more than the copy). The price: that copy stays."""
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
+    """Collective: fill this topology's shards from the checkpoint's."""
+    model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer)
+    reader = dcp_reader(ckpt_dir)
+    read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
+    try:
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
+        raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {_first_failure(e)}") from e
+    set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None) -> Metadata:
+    """The DCP index of a sharded checkpoint, read without running anything from it (raysft.dcp_read)."""
+    try:
+        return (reader or dcp_reader(ckpt_dir)).read_metadata()
+    except (OSError, UnsafeCheckpointData) as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot read the sharded checkpoint's index: {e}") from e
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """DCP's CheckpointException holds each rank's exception, its message their tracebacks: say the first."""
+    failures = getattr(e, "failures", None)
+    return next(iter(failures.values())) if isinstance(failures, dict) and failures else e

@@ -1,0 +1,135 @@
+"""What a checkpoint holds besides the weights: the training objects it saves, the trainer state file (step, data
+cursor, LR schedule, loss scale, world size) and every rank's RNG, and the errors a checkpoint can raise."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from raysft.collectives import default_device
+from raysft.dataloader import DataCursor
+from raysft.storage import Location, location
+
+FORMAT_VERSION = 1
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng.safetensors"
+_STATE_KEYS = {"mode": str, "step": int, "cursor": dict, "scheduler": dict, "world_size": int}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory that cannot be loaded; the message names the path."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed on some rank (a full disk, a lost mount). Raised on every rank at once; the
+    checkpoint is not complete and never reported, so the previous one stays the latest."""
+
+
+@dataclass
+class TrainState:
+    step: int  # optimizer steps completed
+    cursor: DataCursor
+    eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
+
+
+@dataclass
+class TrainingObjects:
+    """What a checkpoint saves and restores on one worker."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    aliases: dict[str, str]  # tied parameters: {alias: canonical name}
+
+
+def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,
+                    rng: dict[str, torch.Tensor]) -> None:
+    """Rank 0: the small files. Config and tokenizer come along so that any checkpoint exports on its own."""
+    objs.hf_config.save_pretrained(out_dir)
+    objs.tokenizer.save_pretrained(out_dir)
+    save_file(rng, out_dir / RNG_FILE)
+    (out_dir / STATE_FILE).write_text(json.dumps({
+        "format_version": FORMAT_VERSION,
+        "mode": mode,
+        "step": state.step,
+        "cursor": state.cursor.state_dict(),
+        "scheduler": objs.scheduler.state_dict(),
+        "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
+        "world_size": dist.get_world_size(),
+        "eval_loss": state.eval_loss,
+    }, indent=1))
+
+
+def read_trainer_state(ckpt_dir: Path | Location) -> dict:
+    """The trainer state of a checkpoint of the format this raysft writes, checked key by key (valid JSON is not
+    enough to be trusted)."""
+    path = location(ckpt_dir) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable trainer state: {e}") from e
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        found = state.get("format_version") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
+        raise CheckpointError(f"{path}: checkpoint format {found}, expected {FORMAT_VERSION}")
+    wrong = [k for k, tp in _STATE_KEYS.items() if not isinstance(state.get(k), tp)]
+    if wrong or state["mode"] not in ("full", "sharded"):
+        raise CheckpointError(f"{path}: not a raysft trainer state: {wrong[0] if wrong else 'mode'} is missing or "
+                              f"of the wrong type ({state.get(wrong[0] if wrong else 'mode')!r})")
+    return state
+
+
+def restore_trainer_state(state: dict, objs: TrainingObjects) -> TrainState:
+    """Apply a read trainer state to the scheduler and loss scaler; the step and data cursor to go on from."""
+    objs.scheduler.load_state_dict(state["scheduler"])
+    if objs.scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16: fresh
+        objs.scaler.load_state_dict(state["loss_scaler"])
+    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+
+
+def gather_rng_states() -> dict[str, torch.Tensor]:
+    """Collective: every rank's RNG states, gathered to all ranks (the collective needs device tensors under
+    NCCL)."""
+    local = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        local["cuda"] = torch.cuda.get_rng_state()
+    out = {}
+    for kind, state in local.items():
+        parts = [torch.empty_like(state, device=default_device()) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, state.to(default_device()))
+        out.update({f"{kind}.{rank}": part.cpu() for rank, part in enumerate(parts)})
+    return out
+
+
+def restore_rng_state(ckpt_dir: Path | Location, same_world: bool) -> None:
+    if not same_world:  # another topology: per-rank streams have no counterpart; keep the fresh seeding
+        return
+    rng = location(ckpt_dir) / RNG_FILE
+    if rng.local is not None:
+        states = read_safetensors(rng.local)
+    else:
+        try:
+            states = load_safetensors_bytes(rng.read_bytes())
+        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+            raise CheckpointError(f"{rng}: cannot read: {e}") from e
+    rank = dist.get_rank()
+    torch.set_rng_state(states[f"cpu.{rank}"])
+    if f"cuda.{rank}" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states[f"cuda.{rank}"])
