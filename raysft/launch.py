@@ -233,7 +233,7 @@ def ray_preemption_deadline() -> float | None:
 
 
 def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
-    """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes to checkpoint.keep);
+    """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes: ray_checkpoint_config);
     on remote storage, Ray's upload from node-local scratch."""
     scored = cfg.checkpoint.keep_best > 0
     if isinstance(cfg.run_dir, Path):
