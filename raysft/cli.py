@@ -9,6 +9,7 @@ import sys
 import transformers
 
 from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
+from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     p_prepare = sub.add_parser("prepare", help="tokenize the data into the parquet store ahead of training")
     add_config_args(p_prepare)
     p_export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory")
-    p_export.add_argument("checkpoint_dir")
+    p_export.add_argument("checkpoint_dir", help="a checkpoint, or a run directory (see --checkpoint)")
     p_export.add_argument("out_dir")
+    p_export.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
+                          help="in a run directory: the newest checkpoint, the one of lowest eval loss, or a step")
     p_export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     p_export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                           help="the exported weights' dtype (training keeps fp32; bf16 halves the export)")
@@ -67,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "export":
-            out = export(args.checkpoint_dir, args.out_dir, overwrite=args.force,
-                         max_shard_bytes=args.max_shard_mb * 2**20, dtype=args.dtype, merge=args.merge)
-            print(f"raysft: exported {out}")
+            ckpt = select_checkpoint(args.checkpoint_dir, args.checkpoint)
+            out = export(ckpt, args.out_dir, overwrite=args.force, max_shard_bytes=args.max_shard_mb * 2**20,
+                         dtype=args.dtype, merge=args.merge)
+            print(f"raysft: exported {ckpt} to {out}")
             return 0
         if args.command == "chat":
             return _chat(args.model_dir, args.prompt, args.system, args.max_new_tokens)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from raysft.storage import Location, is_remote, location, native
+from raysft.storage import Location, location, native
 
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
 
@@ -66,6 +66,11 @@ class DataConfig:
     each twice), the same records on every run."""
     system_prompt: str = ""
     """A system message for the conversations that have none ("": none added)."""
+    eval_paths: list[str | dict] = field(default_factory=list)
+    """Validation conversations, in the formats of `paths`, tokenized into a store of their own."""
+    eval_fraction: float = 0.0
+    """Instead of eval_paths: hold this share of the records of `paths` out of training for validation (the same
+    records on every run, chosen by each source's content hash and record index; none is in both)."""
     chat_template: str = "auto"
     """"auto": the tokenizer's own (Vicuna v1.1 if it has none); "vicuna"; or a path to a .jinja file."""
     max_seq_len: int = 512
@@ -126,6 +131,9 @@ class TrainLoopConfig:
     metrics.jsonl gets every step, written at these steps, checkpoints and reports."""
     report_every_n_steps: int = 0
     """Metric-only ray.train.report cadence; 0 reports only at checkpoints (each report is a slow barrier)."""
+    eval_every_n_steps: int = 0
+    """With validation data (data.eval_paths or data.eval_fraction): the eval loss every N steps and at every
+    checkpoint; 0: at every checkpoint only."""
 
 
 # model.attn_implementation: transformers' built-in kernels; anything registered with transformers'
@@ -171,6 +179,9 @@ class CheckpointConfig:
     checkpoint is reported to Ray once every rank's part is durable."""
     keep: int = 2
     """Checkpoints kept by Ray (num_to_keep); the latest is never deleted."""
+    keep_best: int = 0
+    """Instead of `keep`: the N checkpoints of lowest eval loss plus the latest (needs validation data); Ray's
+    checkpoint_score_attribute "eval_loss". `raysft export RUN_DIR OUT --checkpoint best` exports the best."""
 
 
 @dataclass
@@ -202,6 +213,20 @@ class RunConfig:
     node must reach it; checkpoints, metrics.jsonl and the run's small files live in <storage_path>/<name>."""
 
 
+TRACKERS = ("tensorboard", "mlflow", "wandb")
+
+
+@dataclass
+class MetricsConfig:
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers fed by rank 0 beside metrics.jsonl: any of TRACKERS (each its optional extra, e.g.
+    `pip install 'raysft[mlflow]'`). TensorBoard writes <run>/tensorboard; W&B honours WANDB_MODE (offline...)."""
+    project: str = "raysft"
+    """The MLflow experiment and the W&B project; the tracker run is named run.name."""
+    mlflow_tracking_uri: str = ""
+    """MLflow server or store URI; empty: MLFLOW_TRACKING_URI, else sqlite:///<run>/mlflow.db (a local run)."""
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -211,8 +236,11 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
+        from raysft.config_checks import validate  # the checks read these classes
+
         validate(self)
 
     @property
@@ -355,154 +383,3 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is float and not math.isfinite(value):
         raise ConfigError(f"config key '{key}': must be a finite number, got {value!r}")
     return float(value) if tp is float else str(value) if tp is str else value
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}': {message}")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that need more than one value; type checks happen while loading."""
-    t, s, c, p, d = cfg.train, cfg.scaling, cfg.checkpoint, cfg.parallel, cfg.data
-    _require(t.max_steps > 0, "train.max_steps", f"must be > 0, got {t.max_steps}")
-    _require(0 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
-             f"must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
-    _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
-    _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
-    _require(0 <= s.min_workers <= s.num_workers, "scaling.min_workers",
-             f"must be in [0, scaling.num_workers={s.num_workers}], got {s.min_workers}")
-    _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
-    _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
-    _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")
-    _require(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", f"must be >= 0, got {t.micro_batch_tokens}")
-    if t.micro_batch_tokens:
-        _require(d.packing, "train.micro_batch_tokens", "needs data.packing: true (padded batches are cut by samples)")
-        _require(t.micro_batch_tokens >= d.max_seq_len, "train.micro_batch_tokens",
-                 f"{t.micro_batch_tokens} is less than data.max_seq_len={d.max_seq_len}")
-    _require(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
-    _require(cfg.model.attn_implementation != "varlen" or d.packing, "model.attn_implementation",
-             "'varlen' needs data.packing: true (it takes the sample boundaries of packed rows)")
-    for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
-        per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * workers
-        _require(
-            t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
-            "train.global_batch_size",
-            (f"{t.global_batch_size} must be a positive multiple of the workers ({workers}): with "
-             "train.micro_batch_tokens every worker takes as many samples" if t.micro_batch_tokens else
-             f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
-             f"= {t.micro_batch_size} × {workers} = {per_step}")
-            + (f" (scaling.min_workers={s.min_workers}: every worker count up to {s.num_workers} must divide it)"
-               if s.min_workers else ""),
-        )
-        _validate_parallel(p, workers)
-    _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
-    _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-    _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
-    _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
-    _require(t.grad_clip > 0, "train.grad_clip",
-             f"must be > 0 (the largest gradient norm kept; 0 would stop learning), got {t.grad_clip}")
-    _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
-             f"must be two values in [0, 1), got {t.betas}")
-    _require(t.log_every_n_steps > 0, "train.log_every_n_steps", f"must be > 0, got {t.log_every_n_steps}")
-    _require(t.report_every_n_steps >= 0, "train.report_every_n_steps", f"must be >= 0, got {t.report_every_n_steps}")
-    _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")
-    _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
-    _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
-    _require(len(d.paths) > 0, "data.paths", "needs at least one file")
-    seen: dict[str, str] = {}
-    for path, _ in data_sources(d.paths):  # the same file twice would silently double its samples
-        same = path if path.startswith(BUILTIN) else os.path.realpath(os.path.expanduser(path))
-        _require(same not in seen, "data.paths", f"lists {seen.get(same)!r} and {path!r}, the same file twice (a "
-                 "weight samples a source more or less often: {path: ..., weight: w})")
-        seen[same] = path
-    ac = p.activation_checkpointing
-    _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
-             f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")
-    _require(bool(cfg.model.path or cfg.model.config), "model.config",
-             "set model.path (fine-tune) or model.config (from scratch)")
-    _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer",
-             "no tokenizer: set model.tokenizer or model.path")
-    _require(is_plain_name(cfg.run.name), "run.name",
-             f"must be a plain directory name (not '.' or '..', no path separator), got {cfg.run.name!r}: "
-             "the run directory is always a child of run.storage_path")
-    _validate_attention(cfg.model.attn_implementation)
-    _validate_storage(cfg)
-    _validate_lora(cfg.model.lora)
-
-
-def data_sources(paths: list[str | dict]) -> list[tuple[str, float]]:
-    """(path, weight) of every data.paths entry: a path (weight 1), or {path, weight} with a finite weight > 0."""
-    sources = []
-    for i, entry in enumerate(paths):
-        key = f"data.paths[{i}]"
-        if isinstance(entry, str):
-            sources.append((entry, 1.0))
-            continue
-        unknown = sorted(set(entry) - {"path", "weight"})
-        _require(not unknown, key, f"unknown key {unknown[0] if unknown else ''!r} (an entry is a path, or "
-                 "{path: ..., weight: w})")
-        path, weight = entry.get("path"), entry.get("weight", 1.0)
-        _require(isinstance(path, str) and bool(path), key, f"needs a 'path', got {entry!r}")
-        _require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
-                 and weight > 0, key, f"weight must be a finite number > 0, got {weight!r}")
-        sources.append((path, float(weight)))
-    return sources
-
-
-def is_plain_name(name: str) -> bool:
-    """A single path component that names a child of its parent: not empty, `.` or `..`, no separator."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
-
-
-def _validate_attention(name: str) -> None:
-    """An unknown name would fail in every worker after Ray started them (or, written `org/repo`, make transformers
-    fetch a kernel from the hub): refuse it here."""
-    from transformers import AttentionInterface
-
-    known = {*ATTN_IMPLEMENTATIONS, *AttentionInterface().valid_keys()}  # registered ones, built-in or added
-    _require(name in known, "model.attn_implementation", f"{name!r} is not one of {', '.join(sorted(known))}")
-
-
-def _validate_storage(cfg: TrainConfig) -> None:
-    """Checkpoints, metrics and run files go to any pyarrow filesystem; the tokenized store is read by every worker
-    as local files, so it needs a directory that every node mounts."""
-    store, storage = cfg.data.store_dir, cfg.run.storage_path
-    _require(not is_remote(store), "data.store_dir",
-             f"must be a filesystem path every node can read (NFS or another shared mount), got the URI {store!r}")
-    _require(bool(store) or not is_remote(storage), "data.store_dir",
-             f"run.storage_path is {storage!r}, so the tokenized store cannot default to <run.storage_path>/datasets:"
-             " set data.store_dir to a directory every node can read (NFS or another shared mount; a local "
-             "directory only works when the driver and all workers are on one machine)")
-
-
-def _validate_lora(lora: LoraConfig) -> None:
-    _require(lora.r >= 0, "model.lora.r", f"must be >= 0 (0: full fine-tuning), got {lora.r}")
-    if not lora.r:
-        return
-    _require(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}")
-    _require(0 <= lora.dropout < 1, "model.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
-    _require(bool(lora.target_modules), "model.lora.target_modules", "needs at least one module name")
-    import importlib.util
-
-    _require(importlib.util.find_spec("peft") is not None, "model.lora",
-             "LoRA needs peft, which is not installed: pip install 'raysft[lora]' (or set model.lora.r: 0)")
-
-
-def _validate_parallel(p: ParallelConfig, num_workers: int) -> None:
-    """What can be checked before Ray places the workers; the node layout is checked in the workers."""
-    _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
-    shard = p.hsdp_shard_size
-    _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
-    if p.sharding != "HYBRID_SHARD":
-        _require(shard == 0, "parallel.hsdp_shard_size", f"applies to HYBRID_SHARD only (sharding is {p.sharding})")
-        return
-    _require(num_workers >= 4, "parallel.sharding",
-             f"HYBRID_SHARD needs at least 4 workers (2 replicas of a shard group of 2 or more), got "
-             f"scaling.num_workers={num_workers}; use FULL_SHARD")
-    if shard:
-        _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
-                 f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
-        _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
-                 f"shard-group size {shard} of {num_workers} workers leaves "
-                 f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")

@@ -10,6 +10,7 @@ into the same rows.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,14 +19,15 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
-from raysft.config import BUILTIN, DataConfig, data_sources
+from raysft.config import BUILTIN, DataConfig
+from raysft.config_checks import data_sources
 from raysft.conversation import BadRecord, to_conversation
 from raysft.demo import DEMO_CONVERSATIONS
 from raysft.labels import IGNORE_INDEX, label_conversation, marks_generation, template_profile
@@ -48,6 +50,9 @@ __all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreInfo", "prepare_store
 STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.labels), tool calls
 # Token bytes per parquet row group: a worker reading one sample decodes its whole row group (about 1 ms here).
 ROW_GROUP_BYTES = 256 << 10
+
+
+Split = Literal["train", "eval"]
 
 
 class DataError(ValueError):
@@ -168,11 +173,17 @@ class StoreInfo:
     """"local" or "ray" when this call wrote the store (the store is the same either way)."""
 
 
-def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path) -> StoreInfo:
+def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path,
+                  split: Split = "train") -> StoreInfo:
     """Tokenize cfg.paths into `<store_root>/<fingerprint>` unless an identical store is already there.
 
-    Where (data.prepare) is not part of the fingerprint: both ways write the same rows and manifest.
+    `split` "eval" is the validation store: cfg.eval_paths, or the records data.eval_fraction holds out of cfg.paths
+    (then the "train" store lacks them). Where (data.prepare) is not part of the fingerprint: both ways write the
+    same rows and manifest.
     """
+    if split == "eval" and cfg.eval_paths:  # a store like any other, of those files
+        cfg = dataclasses.replace(cfg, paths=cfg.eval_paths, eval_paths=[])
+        split = "train"
     sources = resolve_sources(cfg)
     source_info = [s.info() for s in sources]
     key = {
@@ -183,6 +194,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         "max_seq_len": cfg.max_seq_len,
         "on_bad_record": cfg.on_bad_record,
         "train_on": cfg.train_on,
+        **({"eval_split": [cfg.eval_fraction, split]} if cfg.eval_fraction else {}),
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = store_root / fingerprint
@@ -198,7 +210,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.
     try:
         with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file()) as tmp:
-            counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp)
+            counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp, split)
             manifest = {
                 "fingerprint": fingerprint,
                 "key": key,
@@ -254,11 +266,15 @@ class Samples:
         self.columns: dict[str, list] = {"input_ids": [], "labels": [], "num_loss_tokens": [], "source": [],
                                          "record": []}
         self.skipped: Counter[str] = Counter()
-        self.records = self.truncated = self.rewritten_turns = self.weighted_out = 0
+        self.records = self.truncated = self.rewritten_turns = self.weighted_out = self.held_out = 0
 
-    def add(self, source: str, index: int, record: Any, copies: int = 1) -> None:
-        """One record, appended `copies` times (its source's weight); one not sampled at all is counted only."""
+    def add(self, source: str, index: int, record: Any, copies: int | None = 1) -> None:
+        """One record, appended `copies` times (its source's weight); one not sampled at all is counted only, as is
+        one of the other split (None: see split_copies)."""
         self.records += 1
+        if copies is None:
+            self.held_out += 1
+            return
         if not copies:
             self.weighted_out += 1
             return
@@ -286,7 +302,7 @@ class Samples:
     def counts(self) -> dict:
         return {"records": self.records, "samples": len(self.columns["record"]), "truncated": self.truncated,
                 "rewritten_turns": self.rewritten_turns, "weighted_out": self.weighted_out,
-                "skipped": dict(self.skipped)}
+                "held_out": self.held_out, "skipped": dict(self.skipped)}
 
     def write(self, path: Path) -> None:
         c = self.columns
@@ -309,17 +325,31 @@ def write_samples(table: pa.Table, path: Path) -> None:
     os.replace(part, path)
 
 
-def no_usable_records(sources: list[Source], skipped: dict) -> DataError:
-    return DataError(f"no usable records in {', '.join(str(s.path) for s in sources)} (skipped: {skipped})")
+def no_usable_records(sources: list[Source], skipped: dict, split: Split | None = None) -> DataError:
+    where = f" of the {split} split (data.eval_fraction)" if split else ""
+    return DataError(f"no usable records{where} in {', '.join(str(s.path) for s in sources)} (skipped: {skipped})")
 
 
-def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path) -> dict:
+def split_copies(cfg: DataConfig, split: Split, weight: float, source_sha: str, index: int) -> int | None:
+    """How many times a record goes into the `split` store; None for a record of the other split. With
+    data.eval_fraction, a deterministic share of each source's records (by its content hash and the record's index,
+    as weights sample) goes into the eval store once each and never into the train store."""
+    if not cfg.eval_fraction:
+        return copies(weight, source_sha, index)
+    held = copies(cfg.eval_fraction, f"eval:{source_sha}", index) == 1  # a draw of its own, not the weight's
+    if split == "eval":
+        return 1 if held else None
+    return None if held else copies(weight, source_sha, index)
+
+
+def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path,
+                   split: Split = "train") -> dict:
     samples = Samples(tokenizer, cfg)
     for source in sources:
         for index, record in read_records(source.path):
-            samples.add(str(source.path), index, record, copies(source.weight, source.sha256, index))
+            samples.add(str(source.path), index, record, split_copies(cfg, split, source.weight, source.sha256, index))
     counts = samples.counts()
     if not counts["samples"]:
-        raise no_usable_records(sources, counts["skipped"])
+        raise no_usable_records(sources, counts["skipped"], split if cfg.eval_fraction else None)
     samples.write(out / "samples.parquet")
     return counts

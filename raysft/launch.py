@@ -41,7 +41,7 @@ from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.lease import RunLease
 from raysft.local_ray import connect
-from raysft.resume import prepare_launch
+from raysft.resume import Stores, prepare_launch
 from raysft.storage import location, use_filesystem
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
@@ -52,6 +52,7 @@ START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEO
 # scaling.max_failures times.
 NOT_RETRIED = (ConfigError, CheckpointSaveError)
 FATAL_ERROR_FILE = "raysft_error.json"
+EVAL_SCORE = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by
 # Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off
 # the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
 # directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
@@ -72,12 +73,12 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     """
     lease = RunLease(config.run_dir)
     lease.check_free()  # before the data is tokenized, and before --fresh moves a live launch's run away
-    store = prepare_launch(config, fresh)
+    stores = prepare_launch(config, fresh)
     with lease.take():
-        return _fit(config, store)
+        return _fit(config, stores)
 
 
-def _fit(config: TrainConfig, store: Path) -> Result:
+def _fit(config: TrainConfig, stores: Stores) -> Result:
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     s = config.scaling
@@ -85,7 +86,8 @@ def _fit(config: TrainConfig, store: Path) -> Result:
     remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
     trainer = TorchTrainer(
         train_loop_per_worker=_train_fn,
-        train_loop_config={"config": config.to_dict(), "store": str(store), "filesystem": remote,
+        train_loop_config={"config": config.to_dict(), "store": str(stores.train),
+                           "eval_store": str(stores.eval) if stores.eval else None, "filesystem": remote,
                            "filesystem_path": root.path},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
@@ -96,7 +98,7 @@ def _fit(config: TrainConfig, store: Path) -> Result:
             storage_filesystem=remote,
             failure_config=FailureConfig(max_failures=s.max_failures,
                                          controller_failure_limit=start_attempts(s) - 1),
-            checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
+            checkpoint_config=ray_checkpoint_config(config),
             **_quiet_console(),
         ),
     )
@@ -116,6 +118,15 @@ def _fit(config: TrainConfig, store: Path) -> Result:
         fatal = json.loads(fatal_file.read_text())
         raise next(t for t in NOT_RETRIED if t.__name__ == fatal["type"])(fatal["message"])
     return result
+
+
+def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
+    """Ray's retention, the same as raysft's own without Ray (checkpoint.retention): checkpoint.keep latest, or with
+    checkpoint.keep_best the N of lowest eval_loss (Ray's checkpoint_score_attribute) plus the latest."""
+    if config.checkpoint.keep_best:
+        return CheckpointConfig(num_to_keep=config.checkpoint.keep_best, checkpoint_score_attribute=EVAL_SCORE,
+                                checkpoint_score_order="min")
+    return CheckpointConfig(num_to_keep=config.checkpoint.keep)
 
 
 def connect_ray(scaling: RaysftScaling) -> None:
@@ -163,7 +174,8 @@ def _train_fn(loop_config: dict) -> None:
     if ray.train.get_context().get_local_rank() == 0:  # before the first collective, so before any worker saves
         clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
     try:
-        _build_trainer(cfg, Path(loop_config["store"]), worker).train()
+        eval_store = loop_config.get("eval_store")
+        _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None).train()
     except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
         if worker.rank == 0:
             (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
@@ -199,11 +211,11 @@ def _quiet_report_lines() -> None:
             handler.addFilter(_DropReports())
 
 
-def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext) -> Trainer:
+def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext, eval_store: Path | None = None) -> Trainer:
     """Resumes from the run's newest complete checkpoint. That is Ray's latest (`ray.train.get_checkpoint()`)
     unless Ray's record of a newer one died with a worker, or its latest was cut short."""
     sink = ray_sink(cfg, worker.rank, existing_checkpoint_names(cfg.run_dir, worker.rank))
-    return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline)
+    return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline, eval_store)
 
 
 def ray_worker_context() -> WorkerContext:
@@ -221,12 +233,21 @@ def ray_preemption_deadline() -> float | None:
 
 
 def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
-    """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes to checkpoint.keep);
+    """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes: ray_checkpoint_config);
     on remote storage, Ray's upload from node-local scratch."""
+    scored = cfg.checkpoint.keep_best > 0
     if isinstance(cfg.run_dir, Path):
-        return DirectorySink(cfg.run_dir, rank, taken=taken, on_commit=register_with_ray, on_report=ray.train.report)
-    return ScratchSink(lambda metrics, ckpt, step: ray_report(metrics, ckpt, step, taken),
+        return DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report,
+                             on_commit=lambda final, metrics: register_with_ray(final, scored_metrics(metrics, scored)))
+    return ScratchSink(lambda metrics, ckpt, step: ray_report(scored_metrics(metrics, ckpt is not None and scored),
+                                                               ckpt, step, taken),
                        scratch_root(cfg.run.name, cfg.run_dir))
+
+
+def scored_metrics(metrics: dict, scored: bool) -> dict:
+    """With checkpoint.keep_best, a checkpoint that was not validated (a preemption's) gets eval_loss NaN, which
+    Ray ranks last, instead of Ray logging an error for the missing score."""
+    return {**metrics, EVAL_SCORE: math.nan} if scored and EVAL_SCORE not in metrics else metrics
 
 
 def register_with_ray(final: Path | None, metrics: dict) -> None:

@@ -18,7 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from raysft.collectives import any_rank
+from raysft.config import TrainConfig
 from raysft.storage import Location, scratch_file
+from raysft.trackers import Trackers
 
 METRICS_FILE = "metrics.jsonl"
 # Dense tensor-core peaks per GPU (vendor datasheets, SXM parts), TFLOP/s, by compute dtype; fp32 matmuls do not
@@ -37,6 +40,7 @@ class MetricsLogger:
         self.path = run_dir / METRICS_FILE if run_dir else None
         self.max_steps, self.log_every = max_steps, log_every
         self.step_times: list[float] = []  # end of each step of this launch, for the ETA
+        self.trackers: Trackers | None = None
         self.remote: Location | None = None
         if isinstance(self.path, Location):
             self.remote, self.path = self.path, scratch_file("raysft-metrics-", ".jsonl")
@@ -45,6 +49,27 @@ class MetricsLogger:
             self.uploaded_at = time.monotonic()
         elif self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def open_trackers(self, cfg: TrainConfig, resume_step: int | None) -> None:
+        """Collective: rank 0 (the one with a path) opens metrics.trackers; a failure there is raised on every rank,
+        not left to hang the others in their next collective."""
+        if not cfg.metrics.trackers:
+            return
+        error = None
+        if self.path:
+            try:
+                self.trackers = Trackers(cfg, resume_step)
+            except Exception as e:  # noqa: BLE001 - raised below on every rank
+                error = e
+        if any_rank(error is not None):
+            raise RuntimeError(f"rank 0 could not open metrics.trackers {cfg.metrics.trackers}: "
+                               f"{type(error).__name__ if error else ''} {error or ''}".rstrip()) from error
+
+    def close(self) -> None:
+        """End this launch's tracker runs (a resumed launch reopens them)."""
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
     def event(self, kind: str, **fields) -> None:
         """A non-step record (start, resume, checkpoint), so a reader can tell repeated steps after a resume."""
@@ -60,7 +85,9 @@ class MetricsLogger:
         if len(self.step_times) > 1:
             eta = (self.step_times[-1] - self.step_times[0]) / (len(self.step_times) - 1) * (self.max_steps - step)
         self._write({"step": step, "time": now, **metrics, **({"eta_s": round(eta, 1)} if eta is not None else {})})
-        if self.path and (step % self.log_every == 0 or step == self.max_steps):
+        if self.trackers is not None:
+            self.trackers.log(step, metrics)
+        if self.path and (step % self.log_every == 0 or step == self.max_steps or "eval_loss" in metrics):
             self._print(progress_line(step, self.max_steps, metrics, eta))
 
     @staticmethod
@@ -155,6 +182,8 @@ def progress_line(step: int, max_steps: int, metrics: dict, eta_s: float | None)
     if metrics.get("mfu") is not None:
         parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     parts.append(f"peak mem {metrics['peak_mem_gb']:.2f} GiB")
+    if metrics.get("eval_loss") is not None:
+        parts.append(f"eval_loss {metrics['eval_loss']:.4f} ({metrics['eval_s']:.1f}s)")
     if "loss_scale" in metrics:
         parts.append(f"loss scale {metrics['loss_scale']:g}")
     if eta_s is not None:

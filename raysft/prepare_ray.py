@@ -20,6 +20,7 @@ from raysft.config import BUILTIN, DataConfig
 from raysft.data import (
     DataError,
     Samples,
+    Split,
     is_blank,
     json_array,
     json_array_spans,
@@ -27,8 +28,9 @@ from raysft.data import (
     jsonl_records,
     no_usable_records,
     resolve_data_path,
+    split_copies,
 )
-from raysft.sources import Source, copies, is_table, num_rows, source_bytes, table_records
+from raysft.sources import Source, is_table, num_rows, source_bytes, table_records
 from raysft.tokenizer import tokenizer_fingerprint
 
 # data.prepare=auto: inputs this large are worth Ray's start-up (a few seconds) when a cluster is there.
@@ -162,7 +164,7 @@ def _chunk_records(chunk: _Chunk) -> Iterator[tuple[int, Any]]:
 
 
 def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprint: str, cfg: DataConfig,
-                     out_dir: str) -> dict:
+                     out_dir: str, split: Split = "train") -> dict:
     """A Ray Data task: tokenizes whole chunks, each into its own parquet file, and returns each chunk's counts, or
     its first bad record's message (on_bad_record=error). The tokenizer comes from the driver through the object
     store, so no node needs its files. Tasks, not actors: Ray's worker processes, transformers imported, stay warm
@@ -174,7 +176,7 @@ def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprin
         chunk, samples = _Chunk(**json.loads(spec)), Samples(tokenizer, cfg)
         try:
             for index, record in _chunk_records(chunk):
-                samples.add(chunk.source, index, record, copies(chunk.weight, chunk.sha256, index))
+                samples.add(chunk.source, index, record, split_copies(cfg, split, chunk.weight, chunk.sha256, index))
             if samples.counts()["samples"]:
                 samples.write(Path(out_dir) / f"samples-{chunk.number:05d}.parquet")
         except DataError as e:
@@ -188,7 +190,8 @@ def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprin
     return {"result": [json.dumps(r) for r in results]}
 
 
-def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path) -> dict:
+def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path,
+                    split: Split = "train") -> dict:
     """The local path's result from Ray Data tasks: chunks are planned on the driver, tokenized in any order and
     put back in input order by their number (files samples-<number>.parquet, results sorted)."""
     import ray
@@ -205,7 +208,7 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
                                        override_num_blocks=len(chunks)).map_batches(
                 _tokenize_chunks, batch_size=1, num_cpus=1,
                 fn_kwargs={"tokenizer": tokenizer, "fingerprint": tokenizer_fingerprint(tokenizer),
-                           "cfg": cfg, "out_dir": str(out)},
+                           "cfg": cfg, "out_dir": str(out), "split": split},
             ).take_all()
             results = sorted((json.loads(r["result"]) for r in rows), key=lambda r: r["number"])
             assert [r["number"] for r in results] == list(range(len(chunks))), "a chunk is missing"
@@ -217,14 +220,14 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
         raise DataError(errors[0])
     if unreadable:
         raise unreadable
-    counts = {"records": 0, "samples": 0, "truncated": 0, "rewritten_turns": 0, "weighted_out": 0}
+    counts = {"records": 0, "samples": 0, "truncated": 0, "rewritten_turns": 0, "weighted_out": 0, "held_out": 0}
     skipped: Counter[str] = Counter()
     for r in results:
         for name in counts:
             counts[name] += r[name]
         skipped.update(r["skipped"])  # in chunk order: reasons in order of first appearance, as locally
     if not counts["samples"]:
-        raise no_usable_records(sources, dict(skipped))
+        raise no_usable_records(sources, dict(skipped), split if cfg.eval_fraction else None)
     return {**counts, "skipped": dict(skipped)}
 
 

@@ -27,9 +27,15 @@ class RunCurves:
         resumes = sum(e["event"] == "resume" for e in self.events)
         checkpoints = sum(e["event"] == "checkpoint" for e in self.events)
         speeds = [r["tokens_per_s"] for r in rows if _number(r.get("tokens_per_s"))]
-        return (f"{len(rows)} steps (last {rows[-1]['step']}), final loss {rows[-1]['loss']:.4f}, "
+        evals = self.eval_losses()
+        best = f", best eval loss {min(evals.values()):.4f} (step {min(evals, key=evals.get)})" if evals else ""
+        return (f"{len(rows)} steps (last {rows[-1]['step']}), final loss {rows[-1]['loss']:.4f}{best}, "
                 f"median {statistics.median(speeds) if speeds else float('nan'):.0f} tokens/s, "
                 f"checkpoints {checkpoints}, resumes {resumes}")
+
+    def eval_losses(self) -> dict[int, float]:
+        """step -> eval loss, at the steps that were validated."""
+        return {s: r["eval_loss"] for s, r in self.steps.items() if _number(r.get("eval_loss"))}
 
 
 def read_curves(run_dir: str | os.PathLike) -> RunCurves:
@@ -70,7 +76,8 @@ def _number(value: object) -> bool:
 
 
 def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
-    """Loss (top) and tokens/s (bottom) against step; dashed red lines at resumes, dotted grey at checkpoints."""
+    """Loss (top: training, and eval loss where validated) and tokens/s (bottom) against step; dashed red lines at
+    resumes, dotted grey at checkpoints."""
     try:
         from matplotlib.figure import Figure  # a bare Figure renders with Agg: no pyplot, no display needed
     except ImportError as e:
@@ -79,7 +86,11 @@ def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
     steps = list(curves.steps)
     fig = Figure(figsize=(9, 6), layout="constrained")
     loss_ax, speed_ax = fig.subplots(2, 1, sharex=True)
-    loss_ax.plot(steps, [r["loss"] for r in curves.steps.values()], color="tab:blue")
+    loss_ax.plot(steps, [r["loss"] for r in curves.steps.values()], color="tab:blue", label="train loss")
+    evals = curves.eval_losses()
+    if evals:
+        loss_ax.plot(list(evals), list(evals.values()), color="tab:orange", marker="o", markersize=3,
+                     label="eval loss")
     loss_ax.set_ylabel("loss")
     speed_ax.plot(steps, [r.get("tokens_per_s", math.nan) for r in curves.steps.values()], color="tab:green")
     speed_ax.set_ylabel("tokens/s")

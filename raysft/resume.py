@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
@@ -20,6 +21,7 @@ from raysft.data import prepare_store
 from raysft.model import load_model_config
 from raysft.storage import Location, location, native
 from raysft.tokenizer import load_tokenizer
+from raysft.trackers import check_trackers
 
 RUN_FILE = "raysft_run.json"
 # Without these, a checkpoint's weights and data cursor would mean something else: another model, or another order
@@ -28,19 +30,31 @@ RUN_DEFINING_KEYS = ("model.path", "model.config", "model.tokenizer", "train.see
 DATA_KEY = "data"  # the tokenized store's fingerprint: data files' contents, tokenizer, template, length
 
 
-def prepare_launch(config: TrainConfig, fresh: bool = False) -> Path:
-    """On the driver (rank 0 without Ray), before any worker starts: tokenize the data or reuse its store, check
-    what would fail the same way on every worker and every restart, and claim the run directory. Returns the
-    store."""
+class Stores(NamedTuple):
+    """The tokenized stores a launch reads: training, and validation (None without data.eval_paths/eval_fraction)."""
+
+    train: Path
+    eval: Path | None = None
+
+
+def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
+    """On the driver (rank 0 without Ray), before any worker starts: tokenize the data or reuse its stores, check
+    what would fail the same way on every worker and every restart, and claim the run directory."""
+    check_trackers(config)
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     store = prepare_store(config.data, tokenizer, config.store_dir)
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
+    eval_store = None
+    if config.data.eval_paths or config.data.eval_fraction:
+        eval_store = prepare_store(config.data, tokenizer, config.store_dir, split="eval")
+        print(f"raysft: eval store {eval_store.path} ({eval_store.num_samples} samples"
+              f"{', reused' if eval_store.reused else ''})", flush=True)
     preflight(config, tokenizer, store.num_samples)
     moved = claim_run_dir(config, store.path.name, fresh)
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
-    return store.path
+    return Stores(store.path, eval_store.path if eval_store else None)
 
 
 def preflight(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_samples: int) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.lease import RunInUse, RunLease
-from raysft.resume import prepare_launch
+from raysft.resume import Stores, prepare_launch
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
 
@@ -66,17 +66,17 @@ def init_distributed() -> WorkerContext:
 def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
     lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
-    store = prepare_on_rank0(config, ctx.rank, fresh, lease)
+    stores = prepare_on_rank0(config, ctx.rank, fresh, lease)
     try:
-        return train(config, store, ctx)
+        return train(config, stores, ctx)
     finally:
         if lease is not None:
             lease.release()
 
 
-def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool, lease: RunLease | None = None) -> Path:
-    """Collective: rank 0 prepares the store, claims the run and takes its `lease` (if given); every rank gets the
-    store, or rank 0's error."""
+def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool, lease: RunLease | None = None) -> Stores:
+    """Collective: rank 0 prepares the stores, claims the run and takes its `lease` (if given); every rank gets the
+    stores, or rank 0's error."""
     outcome: list = [None]
     if rank == 0:
         try:
@@ -85,7 +85,7 @@ def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool, lease: RunLeas
             store = prepare_launch(config, fresh)
             if lease is not None:
                 lease.take()
-            outcome[0] = ("ok", str(store))
+            outcome[0] = ("ok", store)
         except (ConfigError, RunInUse) as e:
             outcome[0] = ("config", str(e))
         except Exception as e:  # noqa: BLE001 - raised on every rank below, not only on rank 0
@@ -96,23 +96,24 @@ def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool, lease: RunLeas
         raise ConfigError(value)
     if kind == "error":
         raise RuntimeError(f"rank 0 could not prepare the run: {value}")
-    return Path(value)
+    return value
 
 
-def train(config: TrainConfig, store: Path, ctx: WorkerContext) -> dict:
+def train(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> dict:
     """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint."""
-    return run_trainer(config, store, ctx).train()
+    return run_trainer(config, stores, ctx).train()
 
 
-def run_trainer(config: TrainConfig, store: Path, ctx: WorkerContext) -> Trainer:
+def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> Trainer:
     """Collective: the Trainer of this launch, resuming, with the sink for the run's storage."""
     taken = existing_checkpoint_names(config.run_dir, ctx.rank)
     if isinstance(config.run_dir, Path):
-        sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken)
+        sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken,
+                             keep_best=config.checkpoint.keep_best)
     else:
         scratch = scratch_root(config.run.name, config.run_dir)
-        sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken)
-    return resume_trainer(config, store, ctx, sink)
+        sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken, config.checkpoint.keep_best)
+    return resume_trainer(config, stores.train, ctx, sink, eval_store=stores.eval)
 
 
 if __name__ == "__main__":

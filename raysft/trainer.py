@@ -29,6 +29,7 @@ from raysft.dataloader import (
     to_device,
     token_budget_micro_batches,
 )
+from raysft.evaluation import Evaluator
 from raysft.lora import add_adapters, record
 from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
 from raysft.metrics import (
@@ -76,10 +77,11 @@ class WorkerContext:
 
 
 def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink,
-                   preemption_deadline: Callable[[], float | None] = lambda: None) -> Trainer:
+                   preemption_deadline: Callable[[], float | None] = lambda: None,
+                   eval_store: Path | None = None) -> Trainer:
     """Collective: a Trainer that continues from the run's newest complete checkpoint (a fresh one if none)."""
     resume_dir, skipped = find_resume_dir(cfg.run_dir, ctx.rank)
-    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline)
+    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline, eval_store)
     for path, reason in skipped:
         trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
     return trainer
@@ -94,7 +96,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink,
-                 ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None):
+                 ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None,
+                 eval_store: Path | None = None):
         self.cfg, self.ctx = cfg, ctx
         self.sink = sink
         self.preemption_deadline = preemption_deadline
@@ -138,6 +141,9 @@ class Trainer:
         else:
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
             self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
+        self.log.open_trackers(cfg, self.state.step if resume_dir is not None else None)
+        self.evaluator = Evaluator(eval_store, cfg, ctx.rank, ctx.world_size, ctx.device,
+                                   self.tokenizer.pad_token_id) if eval_store else None
         self.dataset = TokenizedDataset(store)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
 
@@ -154,8 +160,10 @@ class Trainer:
             preempted = self._preemption_save_due(time.perf_counter() - step_start)
             save = self.checkpointer.due(step, stop) or preempted
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
-            if save or report or step % t.log_every_n_steps == 0:  # the same steps on every rank: collective
-                metrics = self.reduce_metrics()
+            evaluate = self.evaluator is not None and self.evaluator.due(step, self.checkpointer.due(step, stop))
+            if save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
+                metrics = self.reduce_metrics(evaluate)
+            self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
             if save:
                 save_start = time.perf_counter()
                 self.checkpointer.save(self.state, metrics)
@@ -169,6 +177,7 @@ class Trainer:
         if self.state.step < t.max_steps:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
+        self.log.close()
         return {**metrics, "step": self.state.step}
 
     def train_step(self, reduce_metrics: bool = True) -> dict:
@@ -230,9 +239,12 @@ class Trainer:
                 batch.update(loss_inputs(batch.pop("labels")))
             yield to_device(batch, ctx.device), sizes, i == len(parts) - 1
 
-    def reduce_metrics(self) -> dict:
-        """Collective: log the steps since the last call (see StepTotals) and return the newest one's metrics."""
+    def reduce_metrics(self, evaluate: bool = False) -> dict:
+        """Collective: log the steps since the last call (see StepTotals) and return the newest one's metrics; with
+        `evaluate`, the eval metrics of the weights now (after the reduction, so that tokens/s leaves eval out)."""
         rows = self.totals.reduce()
+        if evaluate:
+            rows[-1].update(self.evaluator.run(self.model))
         for row in rows:
             self.log.step(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")}, at=row["time"])
         return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}

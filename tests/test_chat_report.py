@@ -16,7 +16,7 @@ from conftest import run_cli as raysft
 from raysft.chat import ChatModel, Conversation, generate_answer
 from raysft.config import ModelConfig
 from raysft.hf_export import export
-from raysft.report import read_curves
+from raysft.report import draw, read_curves
 from raysft.tokenizer import load_tokenizer
 
 Q1, Q2 = "What is the capital of France?", "And of Spain?"
@@ -137,6 +137,27 @@ def test_report_keeps_the_surviving_history_after_a_resume(tmp_path):
     assert {s: r["loss"] for s, r in curves.steps.items()} == {1: 9, 2: 8, 3: 7, 4: 0.5}
     assert curves.unreadable_lines == 1
     assert curves.summary() == "4 steps (last 4), final loss 0.5000, median 250 tokens/s, checkpoints 1, resumes 1"
+
+
+def test_report_draws_the_eval_loss_beside_the_training_loss(tmp_path):
+    import matplotlib.image
+    import numpy as np
+
+    def rows(with_eval: bool) -> str:
+        return "\n".join(json.dumps({"step": s, "time": 0, "loss": 3 - 0.1 * s, "tokens_per_s": 100.0,
+                                      **({"eval_loss": 3.5 - 0.05 * s, "eval_s": 0.2} if with_eval and s % 4 == 0
+                                         else {})}) for s in range(1, 13)) + "\n"
+
+    orange = []  # matplotlib's tab:orange, the eval curve's colour, in each picture
+    for with_eval in (True, False):
+        (tmp_path / "metrics.jsonl").write_text(rows(with_eval))
+        curves = read_curves(tmp_path)
+        image = matplotlib.image.imread(draw(curves, tmp_path / f"{with_eval}.png"))[..., :3]
+        orange.append(int((np.abs(image - np.array([1.0, 0.498, 0.055])).max(-1) < 0.05).sum()))
+    (tmp_path / "metrics.jsonl").write_text(rows(True))
+    assert read_curves(tmp_path).eval_losses() == pytest.approx({4: 3.3, 8: 3.1, 12: 2.9})
+    assert "final loss 1.8000, best eval loss 2.9000 (step 12)," in read_curves(tmp_path).summary()
+    assert orange[0] > 100 and orange[1] == 0
 
 
 def test_report_without_metrics_fails_naming_the_file(tmp_path):

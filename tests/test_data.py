@@ -176,10 +176,10 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(raysft.prepare_ray, "CHUNK_BYTES", 16384)
 
 
-def prepare_both(tok, tmp_path, paths, **data):
+def prepare_both(tok, tmp_path, paths, split="train", **data):
     paths = [p if isinstance(p, dict) else str(p) for p in paths]
-    local = prepare_store(DataConfig(paths=paths, prepare="local", **data), tok, tmp_path / "local")
-    on_ray = prepare_store(DataConfig(paths=paths, prepare="ray", **data), tok, tmp_path / "ray")
+    local = prepare_store(DataConfig(paths=paths, prepare="local", **data), tok, tmp_path / "local", split)
+    on_ray = prepare_store(DataConfig(paths=paths, prepare="ray", **data), tok, tmp_path / "ray", split)
     assert (local.built_with, on_ray.built_with) == ("local", "ray")
     return local, on_ray
 
@@ -229,6 +229,19 @@ def test_ray_store_equals_local_store_on_weighted_parquet_and_datasets_sources(t
     assert 300 - counts["weighted_out"] + 300 < counts["samples"] < 600 + 300  # the datasets source 1.5 times
     sources = read_manifest(local.path)["sources"]
     assert [s.get("weight") for s in sources] == [0.5, 1.5]
+
+
+def test_ray_holds_out_the_same_eval_records_as_the_local_path(tmp_path, tok, ray_cluster, small_chunks):
+    """data.eval_fraction on Ray: both splits equal the local ones, and no record is in both."""
+    pq.write_table(pa.Table.from_pylist(json.loads(DEMO_CONVERSATIONS.read_text())[:300]), tmp_path / "d.parquet",
+                   row_group_size=64)
+    records = []
+    for split in ("train", "eval"):
+        local, on_ray = prepare_both(tok, tmp_path / split, [{"path": str(tmp_path / "d.parquet"), "weight": 1.5}],
+                                     split=split, eval_fraction=0.1)
+        assert_same_store(local, on_ray)
+        records.append(set(read_store(local.path, ["record"])["record"].to_pylist()))
+    assert not records[0] & records[1] and len(records[0] | records[1]) == 300
 
 
 @needs_fastchat

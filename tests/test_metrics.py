@@ -47,6 +47,8 @@ def test_progress_line_and_eta(tmp_path):
     assert format_duration(59.6) == "1m00s" and format_duration(3725) == "1h02m"
     line = progress_line(30, 300, {**ROW, "mfu": 0.412}, eta_s=125)
     assert line.startswith("step 30/300 | loss 1.5000") and "MFU 41.2%" in line and line.endswith("eta 2m05s")
+    assert progress_line(30, 300, {**ROW, "eval_loss": 1.23456, "eval_s": 3.21}, None).endswith(
+        "| peak mem 1.00 GiB | eval_loss 1.2346 (3.2s)")
     log = MetricsLogger(tmp_path, max_steps=10, log_every=100)
     for step in range(1, 4):
         log.step(step, ROW)

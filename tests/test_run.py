@@ -1,5 +1,6 @@
 """raysft.run: the worker run without Ray (torchrun, or here a reused pair of gloo processes), with the same
-checkpoints and resume as under Ray, written once, straight into the run directory."""
+checkpoints and resume as under Ray, written once, straight into the run directory; validation and keep_best on
+the same processes (the rest of validation: tests/test_evaluation.py)."""
 
 import json
 import subprocess
@@ -8,13 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import REPO, STEPS, run_config, step_losses
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 import raysft
-from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, checkpoint_dirs
+from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, STATE_FILE, CheckpointError, checkpoint_dirs
+from raysft.checkpoint.retention import select_checkpoint
+from raysft.cli import main as cli
+from raysft.data import IGNORE_INDEX, prepare_store, read_store
+from raysft.demo import DEMO_CONVERSATIONS
 from raysft.metrics import read_metrics
 from raysft.run import launch
+from raysft.tokenizer import load_tokenizer
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -116,3 +124,73 @@ def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, unin
     weights = final_weights(cfg.run_dir, tmp_path / "hf")
     for key, value in weights.items():
         torch.testing.assert_close(value, ref_weights[key], rtol=1e-3, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# --- validation (raysft.evaluation) and best checkpoints (raysft.checkpoint.retention) -------------------------
+
+
+def eval_file(tmp_path: Path) -> Path:
+    """21 demo conversations: validation data that is not data.paths (and not a multiple of any batch)."""
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(json.loads(DEMO_CONVERSATIONS.read_text())[:21]))
+    return path
+
+
+def reference_eval_loss(ckpt: Path, store: Path, out: Path) -> float:
+    """The eval loss recomputed in one process, from the exported weights, sample by sample."""
+    model = AutoModelForCausalLM.from_pretrained(raysft.export(ckpt, out), dtype=torch.float32).eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for row in read_store(store, ["input_ids", "labels"]).to_pylist():
+            logits = model(torch.tensor([row["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(row["labels"][1:])
+            total += F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").item()
+            tokens += int((labels != IGNORE_INDEX).sum())
+    return total / tokens
+
+
+def test_validation_changes_no_training_float_and_resumes_exactly_and_elastically(tmp_path, gloo_pool, gloo_pool4,
+                                                                                 uninterrupted):
+    """2 workers to step 6, resumed on 2 to step 9, then on 4 workers to the end, validating every 4 steps and at
+    every checkpoint: the training losses are those of a run without validation (bit for bit on the same workers,
+    across the resume), and every eval loss is the one recomputed in a single process from that step's checkpoint."""
+    data = {"data.eval_paths": f"[{eval_file(tmp_path)}]", "train.eval_every_n_steps": 4, "checkpoint.keep": 9}
+    for stop in (6, 9):
+        gloo_pool.run(launch, run_config(tmp_path, "validated", **data, **{"train.stop_at_step": stop}))
+    cfg = run_config(tmp_path, "validated", **data, **{"scaling.num_workers": 4, "train.micro_batch_size": 2})
+    gloo_pool4.run(launch, cfg)
+    losses, without_eval = step_losses(cfg.run_dir), uninterrupted[0]
+    assert losses[:9] == without_eval[:9]
+    torch.testing.assert_close([v for _, v in losses], [v for _, v in without_eval], rtol=1e-4, atol=1e-5)
+    evals = {m["step"]: m for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
+    assert sorted(evals) == [3, 4, 6, 8, 9, 12]  # every 4 steps and every checkpoint (every 3)
+    assert all(m["eval_s"] > 0 and m["eval_tokens"] == evals[3]["eval_tokens"] for m in evals.values())
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir,
+                          split="eval").path
+    assert evals[3]["eval_tokens"] == sum(read_store(store, ["num_loss_tokens"])["num_loss_tokens"].to_pylist())
+    for step in (6, 12):  # written by 2 and by 4 workers
+        ckpt = cfg.run_dir / f"checkpoint_{step:08d}"
+        assert json.loads((ckpt / STATE_FILE).read_text())["eval_loss"] == evals[step]["eval_loss"]
+        assert evals[step]["eval_loss"] == pytest.approx(reference_eval_loss(ckpt, store, tmp_path / f"hf{step}"),
+                                                         rel=1e-4)
+
+
+def test_export_picks_the_best_latest_or_a_step_of_a_run(tmp_path, gloo_pool):
+    """keep_best=1 without Ray: what survives is the best by recorded eval loss and the latest; `raysft export RUN
+    --checkpoint best` exports the best."""
+    cfg = run_config(tmp_path, "best", **{"data.eval_fraction": 0.05, "checkpoint.keep_best": 1,
+                                          "train.lr": 0.05, "train.max_steps": 9})  # a rate that makes it worse
+    gloo_pool.run(launch, cfg)
+    evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
+    assert sorted(evals) == [3, 6, 9]
+    best = min(evals, key=evals.get)
+    assert [d.name for d in checkpoint_dirs(cfg.run_dir)] == \
+        sorted({f"checkpoint_{best:08d}", "checkpoint_00000009"})
+    assert select_checkpoint(cfg.run_dir, "best").name == f"checkpoint_{best:08d}"
+    assert select_checkpoint(cfg.run_dir).name == "checkpoint_00000009"
+    assert cli(["export", str(cfg.run_dir), str(tmp_path / "hf"), "--checkpoint", "best"]) == 0
+    assert json.loads((tmp_path / "hf" / "raysft_export.json").read_text())["step"] == best
+    with pytest.raises(CheckpointError, match="no complete checkpoint of step 5"):
+        select_checkpoint(cfg.run_dir, "5")
+    picked = ["--checkpoint", "best"]  # of a checkpoint directory: a mistake, not the directory itself
+    assert cli(["export", str(cfg.run_dir / "checkpoint_00000009"), str(tmp_path / "x"), *picked]) == 1

@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_config
 
 import raysft
+from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import CannotPlaceWorkers
@@ -57,6 +58,23 @@ def test_two_workers_lower_the_loss_and_resume_by_run_name(tmp_path):
     after = [r["step"] for r in records[records.index(resume[0]):] if "loss" in r]
     assert after == list(range(41, 51))
     assert Path(result.checkpoint.path).name == "checkpoint_00000050"
+
+
+def test_ray_gets_the_eval_loss_with_each_checkpoint_and_keeps_the_best_and_the_latest(tmp_path):
+    """checkpoint.keep_best under Ray: Ray ranks the checkpoints by the eval_loss reported with them and prunes the
+    run directory to the best and the latest, which is what raysft's own rule (and `export --checkpoint best`)
+    reads from the checkpoints' trainer state."""
+    cfg = tiny_config(tmp_path, **{"train.max_steps": 6, "checkpoint.every_n_steps": 2, "data.eval_fraction": 0.05,
+                                   "checkpoint.keep_best": 1, "train.lr": 0.05})
+    result = raysft.train(cfg)
+    evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
+    assert sorted(evals) == [2, 4, 6] and result.metrics["eval_loss"] == evals[6]
+    best = min(evals, key=evals.get)
+    assert checkpoint_steps(cfg.run_dir) == sorted({best, 6})
+    ray_best, score = min(result.best_checkpoints, key=lambda c: c[1]["eval_loss"])  # Ray's view: the same
+    assert Path(ray_best.path).name == f"checkpoint_{best:08d}" and score["eval_loss"] == evals[best]
+    assert Path(result.checkpoint.path).name == "checkpoint_00000006"
+    assert select_checkpoint(cfg.run_dir, "best").name == f"checkpoint_{best:08d}"
 
 
 def test_a_cluster_that_cannot_place_the_workers_is_an_error(tmp_path):

@@ -8,7 +8,8 @@ Modules, by role:
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
   state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors
   sinks         where parts are written and how a finished checkpoint is committed (run dir, upload, Ray)
-  discovery     names, the checkpoint to resume from, pruning
+  discovery     names, the checkpoint to resume from
+  retention     which checkpoints are kept (keep, keep_best) and which one `latest`, `best` or a step means
 """
 
 from raysft.checkpoint.checkpointer import Checkpointer, auto_mode, choose_mode

@@ -1,11 +1,10 @@
-"""Checkpoint names in a run directory, finding the one to resume from, and pruning old ones."""
+"""Checkpoint names in a run directory, and finding the one to resume from."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
-from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason
+from raysft.checkpoint.manifest import incomplete_reason
 from raysft.collectives import from_rank0
 from raysft.storage import Location, location, native
 
@@ -53,11 +52,3 @@ def existing_checkpoint_names(run_dir: Path | Location, rank: int) -> frozenset[
     """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
     return frozenset(from_rank0(lambda: [p.name for p in checkpoint_dirs(run_dir)]))
 
-
-def prune(run_dir: Path | Location, keep: int) -> None:
-    """Delete the oldest complete checkpoints beyond `keep` (never the latest), local or on remote storage. Best
-    effort: a checkpoint that could not be deleted is only one more kept."""
-    complete = [d for d in location(run_dir).dirs(CHECKPOINT_PREFIX) if (d / MANIFEST_FILE).is_file()]
-    for old in complete[:-keep]:
-        with contextlib.suppress(OSError):
-            old.fs.delete_dir(old.path)

@@ -3,8 +3,8 @@
 - `DirectorySink`: every rank writes its part straight into one staging directory inside the run
   (`<run>/.staging/<name>`, on the run's local or shared filesystem); once the manifest is written, rank 0 renames
   it to `<run>/<name>`: each byte is written once, and a directory named like a checkpoint is always whole. Without
-  Ray it also prunes to `checkpoint.keep`; under Ray, `on_commit` registers the checkpoint where it lies
-  (`checkpoint_upload_mode=NO_UPLOAD`) and Ray prunes.
+  Ray it also prunes (`checkpoint.keep`, or `keep_best`: retention.py); under Ray, `on_commit` registers the
+  checkpoint where it lies (`checkpoint_upload_mode=NO_UPLOAD`) and Ray prunes by the same rule.
 - `UploadSink`: without Ray, on remote storage (s3://, ...): each rank writes node-local scratch and uploads its own
   files into `<run>/<name>/`; rank 0 uploads the manifest last, once every rank's upload succeeded.
 - `ScratchSink`: each rank writes node-local scratch and hands it to a `report` callback (Ray's upload to remote
@@ -24,8 +24,9 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from raysft.checkpoint.discovery import checkpoint_name, prune
+from raysft.checkpoint.discovery import checkpoint_name
 from raysft.checkpoint.manifest import MANIFEST_FILE, fsync
+from raysft.checkpoint.retention import prune
 from raysft.checkpoint.state import CheckpointSaveError
 from raysft.collectives import count_ranks, from_rank0
 from raysft.storage import Location
@@ -120,8 +121,8 @@ class DirectorySink:
 
     def __init__(self, run_dir: Path, rank: int, keep: int = 0, taken: frozenset[str] = frozenset(),
                  on_commit: Callable[[Path | None, dict], None] | None = None,
-                 on_report: Callable[[dict], None] | None = None):
-        self.run_dir, self.rank, self.keep = Path(run_dir), rank, keep
+                 on_report: Callable[[dict], None] | None = None, keep_best: int = 0):
+        self.run_dir, self.rank, self.keep, self.keep_best = Path(run_dir), rank, keep, keep_best
         self.names = _Names(taken)
         self.on_commit, self.on_report = on_commit, on_report
         if rank == 0:
@@ -143,8 +144,8 @@ class DirectorySink:
                 return f"{final}: {e}"
             with contextlib.suppress(OSError):  # the staging area, once empty, goes too
                 staged.parent.rmdir()
-            if self.keep:
-                prune(self.run_dir, self.keep)
+            if self.keep or self.keep_best:
+                prune(self.run_dir, self.keep, self.keep_best)
             return None
 
         error = from_rank0(rename)
@@ -172,8 +173,9 @@ class UploadSink:
 
     shared = False
 
-    def __init__(self, run_dir: Location, rank: int, keep: int, scratch: Path, taken: frozenset[str] = frozenset()):
-        self.run_dir, self.rank, self.keep, self.scratch = run_dir, rank, keep, scratch
+    def __init__(self, run_dir: Location, rank: int, keep: int, scratch: Path, taken: frozenset[str] = frozenset(),
+                 keep_best: int = 0):
+        self.run_dir, self.rank, self.keep, self.scratch, self.keep_best = run_dir, rank, keep, scratch, keep_best
         self.names = _Names(taken)
         self.staged: dict[Path, str] = {}
         clear_scratch(scratch)
@@ -197,8 +199,8 @@ class UploadSink:
         try:
             if not failed and self.rank == 0:
                 (final / MANIFEST_FILE).upload(staged / MANIFEST_FILE)
-                if self.keep:
-                    prune(self.run_dir, self.keep)
+                if self.keep or self.keep_best:
+                    prune(self.run_dir, self.keep, self.keep_best)
         except OSError as e:
             error = e
         finally:

@@ -37,6 +37,7 @@ class CheckpointSaveError(CheckpointError):
 class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
+    eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
 
 
 @dataclass
@@ -67,6 +68,7 @@ def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Trai
         "scheduler": objs.scheduler.state_dict(),
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
+        "eval_loss": state.eval_loss,
         **({"lora": objs.lora} if objs.lora else {}),
     }, indent=1))
 

@@ -1,0 +1,87 @@
+"""Which checkpoints of a run are kept, and which one a user means by `latest`, `best` or a step.
+
+Retention is checkpoint.keep (the newest N) or, with checkpoint.keep_best, the N of lowest eval loss plus the
+newest: Ray's own rule for `CheckpointConfig(num_to_keep=N, checkpoint_score_attribute="eval_loss",
+checkpoint_score_order="min")`, which prunes the checkpoints it registers. Without Ray raysft prunes by the same
+rule (`prune`, called by the sinks), so a run's directory looks the same either way. A checkpoint's eval loss is
+the one recorded in its trainer_state.json; one that was not validated ranks last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+from raysft.checkpoint.discovery import checkpoint_dirs
+from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason
+from raysft.checkpoint.state import STATE_FILE, CheckpointError
+from raysft.storage import Location, location, native
+
+
+def eval_loss(ckpt) -> float | None:
+    """The eval loss recorded with a checkpoint; None when it was not validated or its state is unreadable."""
+    try:
+        value = json.loads((location(ckpt) / STATE_FILE).read_text()).get("eval_loss")
+    except (OSError, ValueError, AttributeError):
+        return None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def best_first(checkpoints: list) -> list:
+    """The validated checkpoints, lowest eval loss first (of equal ones, the newer); `checkpoints` oldest first."""
+    scored = [(loss, -i, c) for i, c in enumerate(checkpoints) if (loss := eval_loss(c)) is not None]
+    return [c for _, _, c in sorted(scored, key=lambda s: s[:2])]
+
+
+def to_prune(complete: list, keep: int, keep_best: int = 0) -> list:
+    """The complete checkpoints (oldest first) that retention deletes; never the newest."""
+    if not complete:
+        return []
+    if keep_best:
+        kept = {str(c) for c in best_first(complete)[:keep_best]} | {str(complete[-1])}
+        return [c for c in complete if str(c) not in kept]
+    return complete[: -keep] if keep else []
+
+
+def complete_checkpoints(run_dir) -> list:
+    """The run's checkpoints that have a manifest, oldest first."""
+    return [d for d in checkpoint_dirs(run_dir) if (location(d) / MANIFEST_FILE).is_file()]
+
+
+def prune(run_dir: Path | Location, keep: int, keep_best: int = 0) -> None:
+    """Delete what retention does not keep, local or on remote storage. Best effort: a checkpoint that could not
+    be deleted is only one more kept."""
+    for old in to_prune(complete_checkpoints(run_dir), keep, keep_best):
+        with contextlib.suppress(OSError):
+            location(old).fs.delete_dir(location(old).path)
+
+
+def select_checkpoint(path: str | object, which: str = "latest") -> Location | object:
+    """A checkpoint directory as it is, or in a run directory the checkpoint `which` names: "latest", "best" (lowest
+    recorded eval loss) or a step number. CheckpointError naming the run and what it holds otherwise."""
+    where = location(path)
+    if (where / STATE_FILE).is_file():
+        if which != "latest":
+            raise CheckpointError(f"{path} is a checkpoint; --checkpoint {which} picks one in a run directory")
+        return native(where)
+    candidates = [c for c in complete_checkpoints(where) if incomplete_reason(c, checksums=False) is None]
+    if not candidates:
+        raise CheckpointError(f"{path}: neither a checkpoint (no {STATE_FILE}) nor a run directory with a complete "
+                              "checkpoint")
+    if which == "latest":
+        return candidates[-1]
+    if which == "best":
+        best = best_first(candidates)
+        if not best:
+            raise CheckpointError(f"{path}: no checkpoint has an eval loss (set data.eval_paths or "
+                                  "data.eval_fraction to validate); pick latest or a step")
+        return best[0]
+    if not which.isdigit():
+        raise CheckpointError(f"--checkpoint {which!r}: expected latest, best or a step number")
+    steps = {json.loads((location(c) / STATE_FILE).read_text())["step"]: c for c in candidates}
+    if int(which) not in steps:
+        raise CheckpointError(f"{path}: no complete checkpoint of step {which} (there are: {sorted(steps)})")
+    return steps[int(which)]

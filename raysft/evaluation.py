@@ -1,0 +1,92 @@
+"""Validation: the loss over every label token of the eval store, on all workers, without gradients.
+
+The eval store is tokenized like the training store (data.eval_paths, or the records data.eval_fraction holds out
+of data.paths: raysft.data.split_copies) and read the same lazy way (dataloader.TokenizedDataset), so the eval set
+is never held in memory. The loss is the training loss with the same labels: the sum of every label token's
+cross-entropy over all workers, divided by the number of label tokens, so it does not depend on the worker count.
+
+Evaluation leaves training exactly as it found it: it reads no training sample, moves no data cursor, and the RNG
+states are put back afterwards (nothing in an eval forward should draw from them; a model with dropout would), so
+a run with validation trains the same floats as one without, and resumes as exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raysft.config import TrainConfig
+from raysft.dataloader import TokenizedDataset, collate, to_device
+from raysft.loss import loss_inputs, micro_batch_loss_sum
+
+
+class Evaluator:
+    """Every rank's share of the eval store, walked in rounds of train.global_batch_size samples cut into
+    micro-batches as training cuts them (micro_batch_size samples, or micro_batch_tokens tokens with packing)."""
+
+    def __init__(self, store: Path, cfg: TrainConfig, rank: int, world_size: int, device: torch.device,
+                 pad_id: int):
+        self.dataset = TokenizedDataset(store)
+        self.cfg, self.rank, self.world_size, self.device, self.pad_id = cfg, rank, world_size, device, pad_id
+        self.label_tokens = int(self.dataset.num_loss_tokens.sum())
+
+    def due(self, step: int, checkpoint_due: bool) -> bool:
+        """Every train.eval_every_n_steps, and at every scheduled checkpoint (keep_best ranks checkpoints by it)."""
+        every = self.cfg.train.eval_every_n_steps
+        return checkpoint_due or bool(every) and step % every == 0
+
+    def run(self, model: nn.Module) -> dict:
+        """Collective: {"eval_loss", "eval_tokens", "eval_s"}; eval_s is the wall time of the whole evaluation."""
+        start = time.perf_counter()
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            with torch.no_grad():
+                n, per_round = len(self.dataset), self.cfg.train.global_batch_size
+                for first in range(0, n, per_round):
+                    chunk = np.arange(first, min(n, first + per_round))
+                    for indices, real in self._micro_batches(chunk):
+                        batch = collate(self.dataset, indices, self.pad_id, self.cfg.data.packing)
+                        if self.cfg.train.loss_chunk_tokens:
+                            batch.update(loss_inputs(batch.pop("labels")))
+                        loss = micro_batch_loss_sum(model, to_device(batch, self.device))
+                        if real:
+                            total += loss.double()
+            dist.all_reduce(total)
+        finally:
+            model.train(was_training)
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+        return {"eval_loss": total.item() / max(1, self.label_tokens), "eval_tokens": self.label_tokens,
+                "eval_s": round(time.perf_counter() - start, 4)}
+
+    def _micro_batches(self, chunk: np.ndarray) -> list[tuple[np.ndarray, bool]]:
+        """This rank's micro-batches of the chunk, as many as the rank that needs the most: FSDP gathers parameters
+        in every forward, on every rank alike, so a rank with fewer runs its first sample again and drops the
+        loss (`real` False)."""
+        cuts = [self._cut(chunk[r :: self.world_size]) for r in range(self.world_size)]  # a pure function: no sync
+        mine, most = cuts[self.rank], max(len(c) for c in cuts)
+        return [(m, True) for m in mine] + [(chunk[:1], False)] * (most - len(mine))
+
+    def _cut(self, share: np.ndarray) -> list[np.ndarray]:
+        t = self.cfg.train
+        if not t.micro_batch_tokens:
+            return [share[i : i + t.micro_batch_size] for i in range(0, len(share), t.micro_batch_size)]
+        parts, current, tokens = [], [], 0
+        for i in share:  # consecutive samples up to the token budget (a longer one goes alone)
+            n = int(self.dataset.num_tokens[i])
+            if current and tokens + n > t.micro_batch_tokens:
+                parts.append(np.array(current))
+                current, tokens = [], 0
+            current.append(i)
+            tokens += n
+        return parts + ([np.array(current)] if current else [])
