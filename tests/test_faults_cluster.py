@@ -32,7 +32,7 @@ from raysft.metrics import read_metrics
 
 STEPS, EVERY = 24, 6
 # Ray Train's timings, shortened for tests (the driver passes them on to Ray's controller and workers).
-RAY_TRAIN_ENV = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
                  "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
 
 

@@ -44,7 +44,8 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     if not asynchronous:
         return run_now(lambda: (dcp.save(state, storage_writer=writer), files.hashes)[1])
     # staged to CPU memory now, written by a background thread that synchronizes over its own gloo group
-    written = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(), async_stager=_stager())
+    stager = _stager() if _STAGER_REUSABLE else None  # None: DCP's own, a fresh copy each save
+    written = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(), async_stager=stager)
     return chain([written], lambda: files.hashes)
 
 
@@ -63,6 +64,11 @@ class _HashingFileSystem(FileSystem):
             hashing = HashingWriter(stream)
             yield hashing
             self.hashes[Path(path).name] = hashing.hexdigest()
+
+
+# torch 2.11's DefaultStager closes its StateDictStager after every stage, so a second save with it fails
+# (pytorch#183413, fixed by #183424); 2.13 keeps it, and its cache, across saves
+_STAGER_REUSABLE = torch.__version__ >= "2.13"  # torch.__version__ is a TorchVersion: compared as a version
 
 
 @functools.cache
