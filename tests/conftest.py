@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # ray.train.report waits for the poll that takes the previous report. Tests checkpoint often, so they poll every
 # 0.25 s. Only speed depends on it: a poll that outlasts the interval is awaited in the next round and counts as
 # failed only after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (10 min); "A worker health check failed" means the
-# worker process died. The suite also passes with Ray's 2 s (one full run, 25 min on 2 cores).
+# worker process died. A full run at Ray's 2 s (25 min on 2 cores) failed only where a worker process died.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 
 REPO = Path(__file__).resolve().parent.parent
