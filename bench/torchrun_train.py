@@ -36,7 +36,7 @@ def main() -> None:
     ctx = init_distributed()
     done = False
     try:
-        trainer = run_trainer(cfg, prepare_on_rank0(cfg, ctx.rank, fresh=False), ctx)
+        trainer = run_trainer(cfg, prepare_on_rank0(cfg, fresh=False), ctx)
         if args.profile:
             profile(trainer, Path(args.profile), args.profile_from, ctx.rank == 0)
         else:

@@ -214,7 +214,7 @@ def _quiet_report_lines() -> None:
 def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext, eval_store: Path | None = None) -> Trainer:
     """Resumes from the run's newest complete checkpoint. That is Ray's latest (`ray.train.get_checkpoint()`)
     unless Ray's record of a newer one died with a worker, or its latest was cut short."""
-    sink = ray_sink(cfg, worker.rank, existing_checkpoint_names(cfg.run_dir, worker.rank))
+    sink = ray_sink(cfg, worker.rank, existing_checkpoint_names(cfg.run_dir))
     return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline, eval_store)
 
 

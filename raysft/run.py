@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
+from raysft.collectives import from_rank0
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.lease import RunInUse, RunLease
 from raysft.resume import Stores, prepare_launch
@@ -66,7 +67,7 @@ def init_distributed() -> WorkerContext:
 def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
     lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
-    stores = prepare_on_rank0(config, ctx.rank, fresh, lease)
+    stores = prepare_on_rank0(config, fresh, lease)
     try:
         return train(config, stores, ctx)
     finally:
@@ -74,24 +75,23 @@ def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict
             lease.release()
 
 
-def prepare_on_rank0(config: TrainConfig, rank: int, fresh: bool, lease: RunLease | None = None) -> Stores:
+def prepare_on_rank0(config: TrainConfig, fresh: bool, lease: RunLease | None = None) -> Stores:
     """Collective: rank 0 prepares the stores, claims the run and takes its `lease` (if given); every rank gets the
     stores, or rank 0's error."""
-    outcome: list = [None]
-    if rank == 0:
+    def prepare() -> tuple[str, Stores | str]:
         try:
             if lease is not None:
                 lease.check_free()  # before anything is tokenized or moved
-            store = prepare_launch(config, fresh)
+            stores = prepare_launch(config, fresh)
             if lease is not None:
                 lease.take()
-            outcome[0] = ("ok", store)
+            return "ok", stores
         except (ConfigError, RunInUse) as e:
-            outcome[0] = ("config", str(e))
+            return "config", str(e)
         except Exception as e:  # noqa: BLE001 - raised on every rank below, not only on rank 0
-            outcome[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
+            return "error", f"{type(e).__name__}: {e}"
+
+    kind, value = from_rank0(prepare)
     if kind == "config":
         raise ConfigError(value)
     if kind == "error":
@@ -106,7 +106,7 @@ def train(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> dict:
 
 def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> Trainer:
     """Collective: the Trainer of this launch, resuming, with the sink for the run's storage."""
-    taken = existing_checkpoint_names(config.run_dir, ctx.rank)
+    taken = existing_checkpoint_names(config.run_dir)
     if isinstance(config.run_dir, Path):
         sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken,
                              keep_best=config.checkpoint.keep_best)

@@ -80,7 +80,7 @@ def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink
                    preemption_deadline: Callable[[], float | None] = lambda: None,
                    eval_store: Path | None = None) -> Trainer:
     """Collective: a Trainer that continues from the run's newest complete checkpoint (a fresh one if none)."""
-    resume_dir, skipped = find_resume_dir(cfg.run_dir, ctx.rank)
+    resume_dir, skipped = find_resume_dir(cfg.run_dir)
     trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline, eval_store)
     for path, reason in skipped:
         trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
@@ -158,9 +158,10 @@ class Trainer:
             self.train_step(reduce_metrics=False)
             step = self.state.step
             preempted = self._preemption_save_due(time.perf_counter() - step_start)
-            save = self.checkpointer.due(step, stop) or preempted
+            scheduled = self.checkpointer.due(step, stop)
+            save = scheduled or preempted
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
-            evaluate = self.evaluator is not None and self.evaluator.due(step, self.checkpointer.due(step, stop))
+            evaluate = self.evaluator is not None and self.evaluator.due(step, scheduled)
             if save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
                 metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None

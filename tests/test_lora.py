@@ -31,7 +31,7 @@ IDS = torch.tensor([[1, 5, 9, 23, 42, 77, 100, 3]])
 
 def _train_and_logits(ctx, cfg) -> torch.Tensor:
     """Collective: one launch, then the live (sharded) model's logits on IDS."""
-    trainer = run_trainer(cfg, prepare_on_rank0(cfg, ctx.rank, False), ctx)
+    trainer = run_trainer(cfg, prepare_on_rank0(cfg, False), ctx)
     trainer.train()
     trainer.model.eval()
     with torch.no_grad():

@@ -119,7 +119,7 @@ def test_a_trainer_state_that_is_json_but_no_state_is_a_checkpoint_error_naming_
 def test_resume_falls_back_past_a_latest_checkpoint_whose_manifest_is_not_one(runs, tmp_path):
     run = copy(runs["sharded"].run_dir, tmp_path / "sharded")
     (run / "checkpoint_00000002" / MANIFEST_FILE).write_text("{}")
-    resume_dir, skipped = find_resume_dir(run, rank=0)
+    resume_dir, skipped = find_resume_dir(run)
     assert resume_dir == run / "checkpoint_00000001"
     assert skipped == [(str(run / "checkpoint_00000002"), f"{MANIFEST_FILE} is not a raysft manifest: no 'files' "
                                                           "listing")]

@@ -27,7 +27,7 @@ def checkpoint_dirs(run_dir: Path | Location) -> list[Path | Location]:
     return [native(d) for d in location(run_dir).dirs(CHECKPOINT_PREFIX)]
 
 
-def find_resume_dir(run_dir: Path | Location, rank: int) -> tuple[Path | Location | None, list[tuple[str, str]]]:
+def find_resume_dir(run_dir: Path | Location) -> tuple[Path | Location | None, list[tuple[str, str]]]:
     """Collective: the run's newest complete checkpoint, and the (path, reason) of each newer, incomplete one
     skipped. Rank 0 checks each against its manifest; None if there is none (a fresh start).
 
@@ -48,7 +48,7 @@ def find_resume_dir(run_dir: Path | Location, rank: int) -> tuple[Path | Locatio
     return (run_dir / name if name else None), skipped
 
 
-def existing_checkpoint_names(run_dir: Path | Location, rank: int) -> frozenset[str]:
+def existing_checkpoint_names(run_dir: Path | Location) -> frozenset[str]:
     """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
     return frozenset(from_rank0(lambda: [p.name for p in checkpoint_dirs(run_dir)]))
 
