@@ -11,6 +11,7 @@ complete checkpoint. Exit codes as `raysft train`: 2 for a configuration error.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -116,5 +117,21 @@ def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> Trai
     return resume_trainer(config, stores.train, ctx, sink, eval_store=stores.eval)
 
 
+def exit_process(code: int) -> None:
+    """End the torchrun worker without Python's interpreter finalization.
+
+    On torch 2.11-2.13 a gloo process group outlives `destroy_process_group` once a model was `fully_shard`-ed (its
+    two `pt_gloo_runloop` threads are still there after a `gc.collect()`). If one of them drops the last reference
+    to a finished collective's Python-created tensor while the interpreter finalizes, it needs the GIL, is ended by
+    the finalizing interpreter, and the process aborts with "terminate called without an active exception"
+    (pytorch#179291 describes the same). Under load that was one launch in three here. Everything raysft writes
+    is closed by now (checkpoints committed, metrics and trackers closed, the run's lease released), so what is
+    left is to flush the standard streams and leave."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
