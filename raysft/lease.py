@@ -34,7 +34,7 @@ from raysft.storage import Location, location
 LEASE_FILE = "raysft_lease.json"
 HEARTBEAT_S = float(os.environ.get("RAYSFT_LEASE_HEARTBEAT_S", 10.0))
 LEASE_TIMEOUT_S = float(os.environ.get("RAYSFT_LEASE_TIMEOUT_S", 60.0))
-SETTLE_S = 1.0
+SETTLE_S = float(os.environ.get("RAYSFT_LEASE_SETTLE_S", 1.0))
 
 
 class RunInUse(RuntimeError):

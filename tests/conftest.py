@@ -18,6 +18,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # failed only after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (10 min); "A worker health check failed" means the
 # worker process died. A full run at Ray's 2 s (25 min on 2 cores) failed only where a worker process died.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Every launch takes its run's lease: it writes the lease and reads it back after RAYSFT_LEASE_SETTLE_S (1 s), so
+# that of two launches racing for one run only one goes on. Tests run one launch of a run at a time, except
+# tests/test_lease.py, which races them with its own settings; a tenth of that is plenty on a local disk.
+os.environ.setdefault("RAYSFT_LEASE_SETTLE_S", "0.1")
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATASETS = REPO.parent / "shared" / "datasets"
@@ -170,15 +174,25 @@ def _gloo_worker(rank: int, world_size: int, init: str, tasks, results) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+@contextlib.contextmanager
+def gloo_processes(world_size: int, tmp_dir: Path):
+    pool = GlooPool(world_size, tmp_dir)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+# One pool of each size for the whole suite: every module that trains without Ray shares them (a pool's start is
+# world_size processes importing torch and transformers). A module whose processes need a different environment
+# starts its own with gloo_processes (tests/test_storage.py).
+@pytest.fixture(scope="session")
 def gloo_pool(tmp_path_factory):
-    pool = GlooPool(2, tmp_path_factory.mktemp("gloo"))
-    yield pool
-    pool.close()
+    with gloo_processes(2, tmp_path_factory.mktemp("gloo")) as pool:
+        yield pool
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def gloo_pool4(tmp_path_factory):
-    pool = GlooPool(4, tmp_path_factory.mktemp("gloo4"))
-    yield pool
-    pool.close()
+    with gloo_processes(4, tmp_path_factory.mktemp("gloo4")) as pool:
+        yield pool

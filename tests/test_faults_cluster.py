@@ -34,6 +34,10 @@ STEPS, EVERY = 24, 6
 # Ray Train's timings, shortened for tests (the driver passes them on to Ray's controller and workers).
 RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
                  "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+# Ray's GCS, likewise: a node whose raylet was killed is declared dead after two failed health checks 0.5 s apart
+# (Ray's default: five, 3 s apart). Until then its CPUs still count, and the restarted worker group waits for them.
+# A check fails at once on a dead raylet; a slow but live one has health_check_timeout_ms (10 s) to answer.
+NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def cluster(tmp_path_factory):
     faults = tmp_path_factory.mktemp("faults")
     saved = {k: os.environ.get(k) for k in RAY_TRAIN_ENV}
     os.environ.update(RAY_TRAIN_ENV)
-    head = start_cluster(tmp_path_factory.mktemp("ray"), num_cpus=0)
+    head = start_cluster(tmp_path_factory.mktemp("ray"), num_cpus=0, _system_config=NODE_DEATH)
     ray.init(address=head.address, runtime_env={
         "env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", FAULTS_ENV: str(faults), **RAY_TRAIN_ENV},
         "worker_process_setup_hook": "fault_injection.install"})

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pyarrow.fs as pafs
 import pytest
 import torch
-from conftest import REPO, run_workers, tiny_config
+from conftest import REPO, gloo_processes, run_workers, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -307,9 +307,11 @@ def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp
 
 
 @pytest.fixture(scope="module")
-def s3_processes(s3, gloo_pool):
-    """The gloo processes, started after the S3 settings are in the environment (they inherit them)."""
-    return gloo_pool
+def s3_processes(s3, tmp_path_factory):
+    """Gloo processes of this module's own, started after the S3 settings are in the environment (they inherit
+    them)."""
+    with gloo_processes(2, tmp_path_factory.mktemp("gloo-s3")) as pool:
+        yield pool
 
 
 def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp_path, prefix, s3_processes):
