@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     setup = Setup(args, "memory")
+    adapters = adapter_params(setup, args.lora_r)
     results = []
     for item in args.strategies.split(","):
         item, lora = item.removesuffix("+lora"), item.endswith("+lora")
@@ -94,9 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         ranks = setup.run(_measure, name, {"config": setup.config(*sets).to_dict(), "steps": args.steps})
         top = max(ranks, key=lambda r: r["peak_tensors_mib"])
         results.append({"strategy": name, "breakdown_mib": top["breakdown_mib"], "ranks": ranks,
+                        "model_state_theory_mib": theory(name, setup.params, args, adapters),
                         **{k: max(r[k] for r in ranks) for k in ("peak_tensors_mib", "process_peak_mib",
                                                                   "init_peak_mib", "step_s")}})
-    save_results(args.out, args, results, report(results, args, setup.params, adapter_params(setup, args.lora_r)))
+    save_results(args.out, args, results, report(results, args, setup.params, adapters))
 
 
 def adapter_params(setup: Setup, r: int) -> int:
@@ -137,7 +139,7 @@ def report(results: list[dict], args: argparse.Namespace, params: int, adapters:
         def part(*keys: str, b: dict = r["breakdown_mib"]) -> float:
             return sum(b.get(k, 0.0) for k in keys)
 
-        model_state = theory(r["strategy"], params, args, adapters)
+        model_state = r["model_state_theory_mib"]
         lines.append(
             f"| {r['strategy']} | {r['peak_tensors_mib']:.0f} | {r['peak_tensors_mib'] / base['peak_tensors_mib']:.2f} "
             f"| {part('Sharded Param', 'Unsharded Param', 'All Gather'):.0f} "

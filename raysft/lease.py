@@ -12,10 +12,10 @@ the holder is gone:
   long: a heartbeat that moves is a live launch (refused as soon as it is seen), one that does not is stale.
 
 Writing is what works on every storage raysft uses (local disk, NFS, object stores, where there is no exclusive
-create): write the lease whole, wait SETTLE_S, read it back; of two launches racing for one run, the one whose
-write landed last reads its own token and goes on, the other reads the winner's and refuses. A loser would have
-to stall for longer than SETTLE_S between its read and its write to slip past, and the winner's heartbeat then
-notices that the lease is no longer its own (it says so in the log and stops writing).
+create): write the lease whole, wait SETTLE_S (RAYSFT_LEASE_SETTLE_S, 1 s), read it back; of two launches racing
+for one run, the one whose write landed last reads its own token and goes on, the other reads the winner's and
+refuses. A loser would have to stall for longer than SETTLE_S between its read and its write to slip past, and the
+winner's heartbeat then notices that the lease is no longer its own (it says so in the log and stops writing).
 """
 
 from __future__ import annotations

@@ -101,6 +101,24 @@ def run_cli(*args, env, input=None, timeout=600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def cli_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`raysft ARGS` as run_cli gives it back (exit code, stdout, stderr), from the console script's own main() in
+    this process: a process start costs seconds of imports. For commands that start no Ray: prepare, export, chat
+    --prompt, report, and a train refused before it would."""
+    import io
+
+    import ray
+
+    from raysft.cli import main
+
+    connected = ray.is_initialized()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    assert ray.is_initialized() == connected, "cli_in_process is for commands that start no Ray"
+    return subprocess.CompletedProcess(["raysft", *args], code, out.getvalue(), err.getvalue())
+
+
 def running(pid: int) -> bool:
     """Alive and not a zombie waiting for its parent (init) to reap it."""
     try:

@@ -2,7 +2,6 @@
 continued to step 9 with sharded ones (a resume, which the report marks)."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -10,7 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, cli_in_process
 from conftest import run_cli as raysft
 
 from raysft.chat import ChatModel, Conversation, generate_answer
@@ -45,7 +44,7 @@ def run(tmp_path_factory, gloo_pool):
 
 @pytest.mark.parametrize("source", ["full", "sharded", "full_hf"])
 def test_chat_prompt_answers_like_generate_answer_on_the_exported_model(run, source):
-    out = raysft("chat", str(getattr(run, source)), "--prompt", Q1, "--max-new-tokens", TOKENS, env=run.env)
+    out = cli_in_process("chat", str(getattr(run, source)), "--prompt", Q1, "--max-new-tokens", TOKENS)
     assert out.returncode == 0, out.stderr[-3000:]
     exported = run.sharded_hf if source == "sharded" else run.full_hf
     assert out.stdout.strip() and out.stdout.strip() == generate_answer(exported, Q1, max_new_tokens=int(TOKENS))
@@ -90,7 +89,7 @@ def test_chat_refuses_an_incomplete_checkpoint_naming_it(run, tmp_path):
     no_manifest = tmp_path / "full"
     shutil.copytree(run.full, no_manifest)
     (no_manifest / "manifest.json").unlink()
-    out = raysft("chat", str(no_manifest), "--prompt", Q1, env=run.env)
+    out = cli_in_process("chat", str(no_manifest), "--prompt", Q1)
     assert out.returncode == 1
     assert f"{no_manifest}: incomplete checkpoint: no manifest.json" in out.stderr
 
@@ -98,7 +97,7 @@ def test_chat_refuses_an_incomplete_checkpoint_naming_it(run, tmp_path):
     shutil.copytree(run.sharded, truncated)
     shard = truncated / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    out = raysft("chat", str(truncated), "--prompt", Q1, env=run.env)
+    out = cli_in_process("chat", str(truncated), "--prompt", Q1)
     assert out.returncode == 1
     assert f"{truncated}: incomplete checkpoint: __1_0.distcp has 100 bytes" in out.stderr
 
@@ -109,7 +108,7 @@ def test_chat_refuses_an_incomplete_checkpoint_naming_it(run, tmp_path):
 def test_report_draws_loss_and_throughput_of_the_run(run, tmp_path):
     import matplotlib.image
 
-    out = raysft("report", str(run.dir), env=run.env)
+    out = cli_in_process("report", str(run.dir))
     assert out.returncode == 0, out.stderr[-3000:]
     png = run.dir / "report.png"
     rows = [json.loads(line) for line in (run.dir / "metrics.jsonl").read_text().splitlines()]
@@ -121,7 +120,7 @@ def test_report_draws_loss_and_throughput_of_the_run(run, tmp_path):
     assert matplotlib.image.imread(png).shape == (600, 900, 4)  # figsize 9 x 6 at 100 dpi, RGBA
 
     elsewhere = tmp_path / "plots" / "curves.png"
-    out = raysft("report", str(run.dir), "--out", str(elsewhere), env=run.env)
+    out = cli_in_process("report", str(run.dir), "--out", str(elsewhere))
     assert out.returncode == 0 and f"raysft: report {elsewhere}\n" in out.stdout and elsewhere.is_file()
 
 
@@ -161,8 +160,7 @@ def test_report_draws_the_eval_loss_beside_the_training_loss(tmp_path):
 
 
 def test_report_without_metrics_fails_naming_the_file(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = raysft("report", str(tmp_path), env=env)
+    out = cli_in_process("report", str(tmp_path))
     assert out.returncode == 1 and f"{tmp_path / 'metrics.jsonl'}: no metrics file" in out.stderr
     assert not (tmp_path / "report.png").exists()
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "start"}) + "\n")

@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, cli_env
-from conftest import run_cli as raysft
+from conftest import REPO, cli_env, cli_in_process
 
 
 @pytest.fixture
@@ -51,44 +50,44 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
     assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in stdout
     assert "assistant:" in stdout and (tmp_path / "hf" / "model.safetensors").is_file()
 
-    again = raysft("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"), env=env)
+    again = cli_in_process("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"))
     assert again.returncode == 0 and (tmp_path / "hf3" / "config.json").is_file(), again.stderr
-    refused = raysft("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"), env=env)
+    refused = cli_in_process("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"))
     assert refused.returncode == 1 and "not empty" in refused.stderr
 
 
-def test_bad_data_fails_before_training_and_names_file_and_record(tmp_path, env):
+def test_bad_data_fails_before_training_and_names_file_and_record(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
                    '{"messages": [{"role": "wizard", "content": "hi"}]}\n')
-    out = raysft("train", "--set", f"data.paths=[{bad}]", "--set", f"run.storage_path={tmp_path}", env=env)
+    out = cli_in_process("train", "--set", f"data.paths=[{bad}]", "--set", f"run.storage_path={tmp_path}")
     assert out.returncode == 1
     assert f"{bad}: record 1: messages[0].role is 'wizard'" in out.stderr
 
 
-def test_export_of_something_that_is_not_a_checkpoint_fails(tmp_path, env):
-    out = raysft("export", str(tmp_path), str(tmp_path / "out"), env=env)
+def test_export_of_something_that_is_not_a_checkpoint_fails(tmp_path):
+    out = cli_in_process("export", str(tmp_path), str(tmp_path / "out"))
     assert out.returncode == 1 and "trainer_state.json" in out.stderr
 
 
-def test_prepare_writes_the_store_once_and_then_reuses_it(tmp_path, env):
+def test_prepare_writes_the_store_once_and_then_reuses_it(tmp_path):
     args = ("prepare", "jobs/configs/demo.yaml", "--set", f"run.storage_path={tmp_path}")
-    first, second = raysft(*args, env=env), raysft(*args, env=env)
+    first, second = cli_in_process(*args), cli_in_process(*args)
     assert first.returncode == 0 and "(written)" in first.stdout and "'samples': 1200" in first.stdout
     assert second.returncode == 0 and "(reused)" in second.stdout
     assert len(list((tmp_path / "datasets").glob("*/samples.parquet"))) == 1
 
 
-def test_an_impossible_mesh_is_a_config_error_before_anything_runs(tmp_path, env):
-    out = raysft("train", "--set", "parallel.sharding=HYBRID_SHARD", "--set", "parallel.hsdp_shard_size=3",
-                 "--set", "scaling.num_workers=4", "--set", "train.micro_batch_size=1",
-                 "--set", f"run.storage_path={tmp_path}", env=env)
+def test_an_impossible_mesh_is_a_config_error_before_anything_runs(tmp_path):
+    out = cli_in_process("train", "--set", "parallel.sharding=HYBRID_SHARD", "--set", "parallel.hsdp_shard_size=3",
+                         "--set", "scaling.num_workers=4", "--set", "train.micro_batch_size=1",
+                         "--set", f"run.storage_path={tmp_path}")
     assert out.returncode == 2
     assert "config error: config key 'parallel.hsdp_shard_size': shard-group size 3 does not divide" in out.stderr
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
-def test_a_second_launch_of_a_run_held_by_a_live_one_is_refused_before_anything_runs(tmp_path, env):
+def test_a_second_launch_of_a_run_held_by_a_live_one_is_refused_before_anything_runs(tmp_path):
     import json
     import socket
 
@@ -101,7 +100,7 @@ def test_a_second_launch_of_a_run_held_by_a_live_one_is_refused_before_anything_
         lease = {"host": socket.gethostname(), "pid": holder.pid, "started": _start_time(holder.pid),
                  "token": "first", "heartbeat": 0}
         (run_dir / LEASE_FILE).write_text(json.dumps(lease))
-        out = raysft("train", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=busy", "--fresh", env=env)
+        out = cli_in_process("train", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=busy", "--fresh")
     finally:
         holder.kill()
         holder.wait()
@@ -112,14 +111,13 @@ def test_a_second_launch_of_a_run_held_by_a_live_one_is_refused_before_anything_
     assert json.loads((run_dir / LEASE_FILE).read_text()) == lease
 
 
-def test_train_export_refuses_a_directory_it_did_not_export_before_training(tmp_path, env):
+def test_train_export_refuses_a_directory_it_did_not_export_before_training(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    out = raysft("train", "--set", f"run.storage_path={tmp_path}", "--export", str(mine), env=env)
+    out = cli_in_process("train", "--set", f"run.storage_path={tmp_path}", "--export", str(mine))
     assert out.returncode == 1 and f"{mine} exists and is not empty and is no raysft export" in out.stderr
     assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "raysft-demo").exists()
-    into_run = raysft("train", "--set", f"run.storage_path={tmp_path}", "--export", str(tmp_path), "--force",
-                      env=env)
+    into_run = cli_in_process("train", "--set", f"run.storage_path={tmp_path}", "--export", str(tmp_path), "--force")
     assert into_run.returncode == 1 and f"{tmp_path} holds the checkpoint being exported" in into_run.stderr
     assert not (tmp_path / "raysft-demo").exists()

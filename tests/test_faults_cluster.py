@@ -342,7 +342,8 @@ def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_pat
 
 
 def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_accident(tmp_path, nodes,
-                                                                                          reference, cluster):
+                                                                                          reference, cluster,
+                                                                                          gloo_pool):
     ref = reference(2)
     nodes()
     cfg = config(tmp_path, "driver")
@@ -368,7 +369,10 @@ def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_
         raysft.train(config(tmp_path, "driver", **{"train.seed": 1}))
     assert sorted(p.name for p in cfg.run_dir.rglob("*")) == before  # nothing written
 
-    raysft.train(config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), fresh=True)
+    # --fresh starts the run over and keeps the old one aside (the same claim with or without Ray: raysft.run)
+    from raysft.run import launch
+
+    gloo_pool.run(launch, config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), True)
     kept = list(cfg.run_dir.parent.glob("driver.replaced-*"))
     assert len(kept) == 1 and (kept[0] / "checkpoint_00000024").is_dir()
     assert [m["event"] for m in read_metrics(cfg.run_dir) if "event" in m][0] == "start"

@@ -295,11 +295,12 @@ def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downlo
 
 
 def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix):
-    """HYBRID_SHARD on logical nodes of one host: the workers refuse the layout, rank 0 leaves the error in
-    raysft_error.json on s3://, and the driver raises it instead of Ray retrying."""
+    """HYBRID_SHARD without parallel.hsdp_shard_size on one host (one Ray node, or logical nodes sharing its IP):
+    the workers refuse the layout, naming the fix; rank 0 leaves the error in raysft_error.json on s3://, and the
+    driver raises it instead of Ray retrying."""
     cfg = s3_config(tmp_path, prefix, **{"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
                                          "train.micro_batch_size": 2, "train.global_batch_size": 8})
-    with pytest.raises(ConfigError, match="HYBRID_SHARD on one node"):
+    with pytest.raises(ConfigError, match="HYBRID_SHARD on one node .*node 0: 4.* set parallel.hsdp_shard_size"):
         raysft.train(cfg)
     assert json.loads((cfg.run_dir / FATAL_ERROR_FILE).read_text())["type"] == "ConfigError"
     with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):
