@@ -1,7 +1,8 @@
 """`ray job submit` of jobs/sft.py, as the README says, to a real 2-node Ray cluster on this machine (cluster/local.sh:
 token auth, the job API on 127.0.0.1 only): refused without the cluster's token, trains the demo to a complete
 checkpoint with the uploaded working dir, shows raysft's lines in `ray job logs`, resumes when the same run is
-submitted again with more steps, and local.sh stop then ends every process of the cluster, the jobs' included."""
+submitted again with more steps, and local.sh stop then ends every process of the cluster, the jobs' included, and
+nothing else."""
 
 import json
 import os
@@ -35,6 +36,8 @@ class Cluster:
     mark: str  # RAYSFT_LOCAL_CLUSTER=<mark> in the environment of every process the cluster starts
     env: dict  # the environment local.sh runs with
     home: Path  # a scratch HOME for the Ray CLI: the user's ~/.ray/auth_token must play no part
+    started: str  # what `local.sh start` printed
+    bystander: subprocess.Popen  # a process named like a raylet that the cluster did not start
 
 
 def free_port() -> int:
@@ -101,13 +104,19 @@ def cluster():
     # 1 CPU per node: the demo's 2 workers must take one on each node.
     env.update({k: str(v) for k, v in ports.items()}, RAYSFT_LOCAL_DIR=str(state), RAYSFT_LOCAL_CPUS="1")
     mark = None
+    # `ray stop` would kill any process named like Ray's; local.sh stop must end only those its cluster started
+    fake_raylet = home / "raylet"
+    shutil.copy("/bin/sleep", fake_raylet)
+    bystander = subprocess.Popen([str(fake_raylet), "900"])
     try:
         started = subprocess.run([str(LOCAL_SH), "start", "1"], env=env, timeout=300, capture_output=True, text=True)
         assert started.returncode == 0, started.stdout + started.stderr
         mark = (state / "mark").read_text().strip()
         yield Cluster(state, f"http://127.0.0.1:{ports['RAYSFT_LOCAL_DASHBOARD_PORT']}", state / "auth_token",
-                      mark, env, home)
+                      mark, env, home, started.stdout, bystander)
     finally:
+        bystander.kill()
+        bystander.wait()
         # Whatever happened: local.sh's own stop, then SIGKILL to any process of this cluster still running. By
         # PID only; never `ray stop`, which would end every Ray process of the machine.
         subprocess.run([str(LOCAL_SH), "stop"], env=env, timeout=180, capture_output=True)
@@ -127,6 +136,10 @@ def test_ray_job_submit_trains_resumes_and_needs_the_token(cluster, tmp_path):
     nonce = uuid.uuid4().hex[:8]
     storage, name = tmp_path / "runs", "job"
     run_dir = storage / name
+    assert f"ray job submit --address {cluster.dashboard} --working-dir . -- python jobs/sft.py" in cluster.started
+    assert [line.split()[0] for line in (cluster.state / "sessions").read_text().splitlines()] == ["head", "worker1"]
+    assert http_status(f"{cluster.dashboard}/api/jobs/") == 401  # the job API wants the token
+    assert http_status(f"{cluster.dashboard}/api/jobs/", cluster.token_path.read_text().strip()) == 200
 
     # No token, or a wrong one: refused before anything is uploaded or started.
     rc, out = submit(cluster, f"refused-{nonce}", "python", "jobs/sft.py", *DEMO, "--set",
@@ -213,3 +226,7 @@ def test_ray_job_submit_trains_resumes_and_needs_the_token(cluster, tmp_path):
         time.sleep(0.5)
     assert [p for p in ours if running(p)] == []
     assert cluster_pids(cluster.state, cluster.mark) == set()
+    assert not (cluster.state / "mark").exists()
+    assert cluster.bystander.poll() is None, "local.sh stop killed a process it did not start"
+    again = subprocess.run([str(LOCAL_SH), "stop"], env=cluster.env, timeout=60, capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stdout + again.stderr
