@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from raysft.config import TrainConfig
-from raysft.run import end_distributed, init_distributed, prepare_on_rank0, run_trainer
+from raysft.run import end_distributed, exit_process, init_distributed, prepare_on_rank0, run_trainer
 from raysft.trainer import Trainer
 
 
@@ -103,3 +103,4 @@ def summarize(prof, wall_s: float, cuda: bool, steps: int) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # not through interpreter finalization: see exit_process
