@@ -50,14 +50,33 @@ def is_table(path: Path) -> bool:
 
 
 def check_table(path: Path) -> None:
-    """A clear error for a directory that is not a saved dataset (or is a DatasetDict: name the split)."""
-    if path.suffix == ".parquet" or (path / HF_STATE_FILE).is_file():
-        return
-    if (path / HF_DICT_FILE).is_file():
-        splits = json.loads((path / HF_DICT_FILE).read_text()).get("splits", [])
-        raise SourceError(f"{path} is a DatasetDict: name one of its splits, e.g. {path / (splits or ['train'])[0]}")
-    raise SourceError(f"{path} is a directory but not a Hugging Face dataset saved with save_to_disk (no "
-                      f"{HF_STATE_FILE})")
+    """A clear error, before any record is read, for a directory that is not a saved dataset (or is a DatasetDict:
+    name the split), and for a parquet file or a dataset's Arrow file that pyarrow cannot open (cut short by a copy,
+    say): pyarrow's own message names no file."""
+    if path.suffix != ".parquet" and not (path / HF_STATE_FILE).is_file():
+        if (path / HF_DICT_FILE).is_file():
+            splits = json.loads((path / HF_DICT_FILE).read_text()).get("splits", [])
+            raise SourceError(f"{path} is a DatasetDict: name one of its splits, e.g. "
+                              f"{path / (splits or ['train'])[0]}")
+        raise SourceError(f"{path} is a directory but not a Hugging Face dataset saved with save_to_disk (no "
+                          f"{HF_STATE_FILE})")
+    if path.suffix == ".parquet":
+        files = [path]
+    else:
+        try:
+            files = _arrow_files(path)
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise SourceError(f"{path / HF_STATE_FILE}: not the state file save_to_disk writes ({e!r})") from None
+    for file in files:
+        try:
+            if file.suffix == ".parquet":
+                pq.read_metadata(file)
+            else:
+                with pa.memory_map(str(file)) as source:
+                    pa.ipc.open_stream(source).schema  # noqa: B018 (reading the schema is the check)
+        except (pa.ArrowException, OSError) as e:
+            raise SourceError(f"{file}: not a readable {'parquet' if file.suffix == '.parquet' else 'Arrow'} file "
+                              f"({e})") from None
 
 
 def _arrow_files(path: Path) -> list[Path]:

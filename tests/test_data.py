@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -128,6 +129,53 @@ def test_invalid_json_file_names_the_file(tmp_path, tok):
     (tmp_path / "d.json").write_text('[{"conversations": []},')
     with pytest.raises(DataError, match=r"d\.json: not valid JSON"):
         prepare_store(DataConfig(paths=[str(tmp_path / "d.json")]), tok, tmp_path / "store")
+
+
+def write_table(path, records):
+    """A parquet file, or a `datasets` directory (no suffix), of records: every key a column (null where a record
+    lacks it), as a Hugging Face dataset of mixed rows has them."""
+    columns = {key: [r.get(key) for r in records] for key in dict.fromkeys(k for r in records for k in r)}
+    if path.suffix == ".parquet":
+        pq.write_table(pa.table(columns), path)
+    else:
+        pytest.importorskip("datasets").Dataset.from_dict(columns).save_to_disk(path)
+    return path
+
+
+# invalid_json cannot occur in a table; a null content is what a table holds where JSON has a number
+TABLE_BAD_RECORDS = {**{k: v for k, v in BAD_RECORDS.items() if k != "invalid_json"},
+                     "non_string_content": {"messages": [{"role": "user", "content": None},
+                                                         {"role": "assistant", "content": "x"}]}}
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ""])
+def test_bad_rows_of_parquet_and_datasets_sources_get_the_errors_of_json_records(tmp_path, tok, suffix):
+    """The same message as the same record in a JSONL file, naming the table and the row; skip counts them alike."""
+    for reason, bad in TABLE_BAD_RECORDS.items():
+        table = write_table(tmp_path / f"{reason}{suffix}", [GOOD, GOOD, bad])
+        jsonl = write_jsonl(tmp_path / f"{reason}.jsonl", [GOOD, GOOD, bad])
+        messages = []
+        for path in (table, jsonl):
+            with pytest.raises(DataError) as e:
+                prepare_store(DataConfig(paths=[str(path)]), tok, tmp_path / "store")
+            messages.append(str(e.value).replace(str(path), "SOURCE"))
+        assert messages[0].startswith("SOURCE: record 2: ") and messages[0] == messages[1], reason
+    mixed = write_table(tmp_path / f"mixed{suffix}", [GOOD, *TABLE_BAD_RECORDS.values(), GOOD])
+    store = prepare_store(DataConfig(paths=[str(mixed)], on_bad_record="skip"), tok, tmp_path / "store")
+    assert store.num_samples == 2 and read_manifest(store.path)["counts"]["skipped"] == dict.fromkeys(
+        TABLE_BAD_RECORDS, 1)
+
+
+def test_a_table_source_pyarrow_cannot_open_is_a_data_error_naming_the_file(tmp_path, tok):
+    good = write_table(tmp_path / "d.parquet", [GOOD] * 3)
+    (tmp_path / "cut.parquet").write_bytes(good.read_bytes()[:-20])  # a copy cut short: no footer
+    ds = write_table(tmp_path / "ds", [GOOD] * 3)
+    arrow = next(ds.glob("*.arrow"))
+    arrow.write_bytes(b"not arrow")
+    for path, message in ((tmp_path / "cut.parquet", f"{tmp_path / 'cut.parquet'}: not a readable parquet file"),
+                          (ds, f"{arrow}: not a readable Arrow file")):
+        with pytest.raises(DataError, match=re.escape(f"data.paths: {message}")):
+            prepare_store(DataConfig(paths=[str(path)]), tok, tmp_path / "store")
 
 
 def test_store_is_reused_and_rebuilt_when_input_or_tokenizer_changes(tmp_path, tok):
