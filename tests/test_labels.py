@@ -268,3 +268,25 @@ def test_generation_stops_at_the_end_of_turn_token_the_template_writes(name):
     tok = model_tokenizer(name)
     assert tok.convert_tokens_to_ids(END_OF_TURN[name]) in stop_token_ids(tok)
     assert tok.eos_token_id in stop_token_ids(tok)
+
+
+# A base model tuned on an instruct template: its tokenizer's EOS ends a document, not an answer, so only the
+# template's end-of-turn token stops `generate` after an answer.
+BASE_EOS = {"meta-llama-Llama-3.1-8B-Instruct": "<|end_of_text|>", "Qwen-Qwen2.5-7B-Instruct": "<|endoftext|>"}
+
+
+@pytest.mark.parametrize("name", BASE_EOS)
+def test_an_export_of_a_base_model_on_a_llama3_or_chatml_template_stops_at_its_end_of_turn(name, tmp_path):
+    from transformers import GenerationConfig
+
+    from raysft.hf_export import write_generation_config
+
+    model = {**MODELS[name], "eos": BASE_EOS[name]}
+    model["special"] = [t for t in model["special"] if t != BASE_EOS[name]] + [END_OF_TURN[name]]
+    if not TEMPLATES.is_dir():
+        pytest.skip("../shared/datasets is not present")
+    tok = tokenizer_with((TEMPLATES / f"{name}.jinja").read_text(), source=name, **model)
+    tok.save_pretrained(tmp_path)
+    write_generation_config(tmp_path)
+    eos = GenerationConfig.from_pretrained(tmp_path).eos_token_id
+    assert sorted(eos) == sorted(tok.convert_tokens_to_ids([END_OF_TURN[name], BASE_EOS[name]]))
