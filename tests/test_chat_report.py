@@ -85,6 +85,32 @@ def test_repl_over_piped_stdin_keeps_the_history_resets_and_exits(run):
     assert eof.stdout == f"user> assistant> {generate_answer(run.full_hf, Q1, int(TOKENS))}\nuser> \n"
 
 
+def test_generate_and_chat_stop_where_the_exported_generation_config_says(run, tmp_path):
+    """Plain `generate` on an export, given no stop token, ends the answer where chat does (generation_config.json
+    holds the template's end of turn); a stop listed only in generation_config.json ends chat's reply too."""
+    from transformers import AutoModelForCausalLM
+
+    chat = ChatModel.load(run.full_hf)
+    inputs = chat.tokenizer.apply_chat_template([{"role": "user", "content": Q1}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)
+    plain = AutoModelForCausalLM.from_pretrained(run.full_hf).generate(**inputs, max_new_tokens=64, do_sample=False)
+    answer = plain[0, inputs["input_ids"].shape[1]:].tolist()
+    assert answer[-1] in chat.stop_ids and len(answer) < 64  # it stopped, at a stop token
+    assert chat.tokenizer.decode(answer, skip_special_tokens=True).strip() == chat.reply(
+        [{"role": "user", "content": Q1}], 64)
+
+    first = answer[0]
+    assert first not in chat.stop_ids and len(answer) > 2
+    listed = tmp_path / "hf"
+    shutil.copytree(run.full_hf, listed)
+    config = json.loads((listed / "generation_config.json").read_text())
+    config["eos_token_id"] = [*config["eos_token_id"], first] if isinstance(config["eos_token_id"], list) else [
+        config["eos_token_id"], first]
+    (listed / "generation_config.json").write_text(json.dumps(config))
+    stopped = ChatModel.load(listed).reply([{"role": "user", "content": Q1}], 64)
+    assert stopped == chat.tokenizer.decode([first], skip_special_tokens=True).strip()
+
+
 def test_chat_refuses_an_incomplete_checkpoint_naming_it(run, tmp_path):
     no_manifest = tmp_path / "full"
     shutil.copytree(run.full, no_manifest)
