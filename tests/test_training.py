@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_config
+from conftest import cli_in_process, tiny_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
@@ -163,7 +163,7 @@ def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
     assert sum(m["skipped"] for m in fp16) < STEPS // 2
 
 
-def test_export_in_bf16_with_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, gloo_pool):
+def test_export_in_bf16_fp16_fp32_with_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, gloo_pool):
     from transformers import AutoTokenizer, GenerationConfig
 
     from raysft.hf_export import write_generation_config
@@ -176,6 +176,19 @@ def test_export_in_bf16_with_a_generation_config_that_stops_at_the_end_of_turn(t
     assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert GenerationConfig.from_pretrained(out).eos_token_id == tokenizer.eos_token_id  # the demo's <|end|>
+
+    # `raysft export --dtype`: fp32 keeps the trained floats, fp16 and bf16 are their casts
+    weights = {}
+    for dtype, torch_dtype in (("fp32", torch.float32), ("fp16", torch.float16)):
+        done = cli_in_process("export", str(cfg.run_dir / "checkpoint_00000002"), str(tmp_path / dtype),
+                              "--dtype", dtype)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / dtype, local_files_only=True).dtype == torch_dtype
+        weights[dtype] = load_file(tmp_path / dtype / "model.safetensors")
+        assert all(t.dtype == torch_dtype for t in weights[dtype].values()), dtype
+    for name, bf16 in load_file(out / "model.safetensors").items():
+        assert torch.equal(weights["fp32"][name].to(torch.bfloat16), bf16), name
+        assert torch.equal(weights["fp32"][name].to(torch.float16), weights["fp16"][name]), name
 
     # a ChatML template: generation stops at <|im_end|> as well as at EOS
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
