@@ -52,6 +52,9 @@ def test_the_shipped_demo_config_loads():
     (["model.attn_implementation=flash_attn"], "model.attn_implementation"),
     (["model.attn_implementation=kernels-community/flash-attn"], "model.attn_implementation"),
     (["data.paths=notalist"], "data.paths"),
+    (["data.paths=[a.jsonl, {path: b.jsonl, weight: 0}]"], r"data.paths\[1\]': weight must be a finite"),
+    (["data.paths=[{path: builtin:demo, wieght: 2}]"], r"data.paths\[0\]': unknown key 'wieght'"),
+    (["data.eval_paths=[{weight: 2}]"], r"data.eval_paths\[0\]': needs a 'path'"),
     (["scaling.min_workers=3"], "scaling.min_workers"),  # more than num_workers=2
     (["scaling.max_failures=-2"], "scaling.max_failures"),
 ])
