@@ -6,13 +6,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEPS, run_config, step_losses, tiny_config
+from conftest import STEPS, cli_in_process, run_config, step_losses, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import raysft
 from raysft.chat import ChatModel
-from raysft.checkpoint import STATE_FILE, DirectorySink, checkpoint_dirs, read_index
+from raysft.checkpoint import (
+    STATE_FILE,
+    DirectorySink,
+    checkpoint_dirs,
+    incomplete_reason,
+    is_payload,
+    read_index,
+    read_manifest,
+)
 from raysft.config import ConfigError, ModelConfig, TrainConfig, load_config
 from raysft.data import prepare_store
 from raysft.lora import is_adapter
@@ -56,6 +64,9 @@ def test_lora_training_lowers_the_loss_and_checkpoints_only_the_adapters(referen
     # 4 layers × 3 adapted modules × (A, B); AdamW's step and two moments for each of them, nothing else
     assert len(weights) == 24 and all(is_adapter(k) for k in weights), sorted(weights)[:4]
     assert {k.rpartition("/")[0] for k in optim} == set(weights) and len(optim) == 3 * 24
+    # the same manifest as full fine-tuning: every file, the payload included, with a sha256 that checks out
+    assert {"model.safetensors", "optimizer.safetensors", "trainer_state.json"} <= set(read_manifest(ckpt))
+    assert incomplete_reason(ckpt, checksums=True) is None
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
                              "base": {"path": "", "seed": 0}}
@@ -78,6 +89,8 @@ def test_lora_stop_and_resume_across_modes_is_bit_identical(tmp_path, gloo_pool,
     assert all(is_adapter(k.split(".", 2)[2]) for k in index if k.startswith("optimizer.state."))
     # 15k adapter parameters × 3 (weights, 2 moments) and DCP's ~0.5 kB per tensor piece; the base alone is 4.8 MB
     assert sum(p.stat().st_size for p in sharded.glob("*.distcp")) < 600_000
+    assert {p.name for p in sharded.glob("*.distcp")} == {n for n in read_manifest(sharded) if is_payload(n)}
+    assert incomplete_reason(sharded, checksums=True) is None
     mine = raysft.export(sharded, tmp_path / "a")
     theirs = raysft.export(checkpoint_dirs(ref_dir)[-1], tmp_path / "b")
     a, b = load_file(mine / ADAPTER_WEIGHTS), load_file(theirs / ADAPTER_WEIGHTS)
@@ -106,10 +119,12 @@ def test_merged_and_adapter_exports_give_the_live_models_logits(tmp_path, refere
     peft_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
     with torch.no_grad():
         torch.testing.assert_close(peft_model(input_ids=IDS).logits, live, rtol=1e-4, atol=1e-4)
-    # raysft chat takes the adapter directory, the merged model and the checkpoint, and they answer alike
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    answers = {ChatModel.load(p).reply(messages, max_new_tokens=8) for p in (adapter, merged, ckpt)}
-    assert len(answers) == 1, answers
+    # `raysft chat` takes the adapter directory, the merged model and the checkpoint, and they answer alike
+    outs = [cli_in_process("chat", str(p), "--prompt", "What is the capital of France?", "--max-new-tokens", "8")
+            for p in (adapter, merged, ckpt)]
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    answers = {o.stdout for o in outs}
+    assert len(answers) == 1 and answers.pop().strip(), [o.stdout for o in outs]
     full_ft = tmp_path / "full-ft"  # a full fine-tuning checkpoint's state: no adapters to merge
     full_ft.mkdir()
     (full_ft / STATE_FILE).write_text(json.dumps({"format_version": 1, "mode": "full", "step": 1, "cursor": {},
@@ -231,14 +246,20 @@ def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_a
         peft_logits = peft.PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=IDS).logits
         torch.testing.assert_close(merged(input_ids=IDS).logits, peft_logits, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(base_logits, peft_logits, atol=1e-3)  # two steps at lr 1e-2 moved the adapters
-    chat = ChatModel.load(adapter)
-    assert isinstance(chat.reply([{"role": "user", "content": "Hi"}], max_new_tokens=4), str)
+    with torch.no_grad():  # `raysft chat` on the adapter directory: the pretrained base with the adapters on top
+        torch.testing.assert_close(ChatModel.load(adapter).model(input_ids=IDS).logits, peft_logits)
+    outs = [cli_in_process("chat", str(p), "--prompt", "Hi", "--max-new-tokens", "4") for p in (adapter, tmp_path /
+                                                                                             "merged")]
+    assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout, [o.stderr[-2000:] for o in outs]
 
 
-def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_the_reverse(tmp_path):
+def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_settings(tmp_path):
     from raysft.resume import claim_run_dir
 
-    for first, then in ((4, 0), (0, 4)):
-        claim_run_dir(run_config(tmp_path, f"r{first}", **{**LORA, "model.lora.r": first}), "data")
+    changes = [("r", 4, 0), ("r", 0, 4), ("r", 4, 8), ("alpha", 8, 16), ("dropout", 0.0, 0.1),
+               ("target_modules", "[q_proj, v_proj, down_proj]", "[q_proj, v_proj]")]
+    for i, (key, first, then) in enumerate(changes):
+        claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": first}), "data")
+        claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": first}), "data")  # continues
         with pytest.raises(ConfigError, match="model.lora must match"):
-            claim_run_dir(run_config(tmp_path, f"r{first}", **{**LORA, "model.lora.r": then}), "data")
+            claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": then}), "data")
