@@ -99,6 +99,20 @@ def test_lora_stop_and_resume_across_modes_is_bit_identical(tmp_path, gloo_pool,
         gloo_pool.run(launch, run_config(tmp_path, "resumed", **{**LORA, "model.lora.r": 8}))
 
 
+def test_lora_with_dropout_resumes_bit_identically(tmp_path, gloo_pool):
+    """Adapter dropout draws from each rank's RNG stream, which the checkpoint carries: a run stopped at step 3
+    and resumed draws the masks the uninterrupted run drew, so its losses and adapters equal it bit for bit."""
+    sets = {**LORA, "model.lora.dropout": 0.2, "train.max_steps": 6, "checkpoint.mode": "sharded"}
+    gloo_pool.run(launch, ref := run_config(tmp_path, "uninterrupted", **sets))
+    for stop in ({"train.stop_at_step": 3}, {}):
+        gloo_pool.run(launch, cfg := run_config(tmp_path, "resumed", **sets, **stop))
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3]
+    assert step_losses(cfg.run_dir) == step_losses(ref.run_dir)
+    a, b = (load_file(raysft.export(d / "checkpoint_00000006", tmp_path / d.name) / ADAPTER_WEIGHTS)
+            for d in (cfg.run_dir, ref.run_dir))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_merged_and_adapter_exports_give_the_live_models_logits(tmp_path, reference):
     """From the full checkpoint of a run trained from scratch: the merged export loads in transformers, the adapter
     export in peft on top of the seeded base, and both give the logits the sharded model computed."""
