@@ -223,6 +223,25 @@ def test_a_missing_peft_is_a_config_error_naming_the_key_and_the_extra(monkeypat
     load_config(None, ["model.lora.r=0"])  # full fine-tuning does not need it
 
 
+def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_checkpoint():
+    """Loading is not strict under LoRA (the frozen base is in no checkpoint), so raysft compares the names itself:
+    an adapter the checkpoint lacks would otherwise keep its initial value without a word."""
+    from raysft.checkpoint import CheckpointError
+    from raysft.lora import add_adapters, check_adapter_names
+    from raysft.model import build_meta_model
+
+    cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj]"])
+    hf_config = load_model_config(cfg.model, load_tokenizer(cfg.model, "auto"))
+    model = add_adapters(build_meta_model(hf_config, "sdpa"), cfg.model.lora)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(names) == 2 * hf_config.num_hidden_layers and all(is_adapter(n) for n in names)
+    check_adapter_names(model, names, "ckpt_a")
+    with pytest.raises(CheckpointError, match=r"ckpt_b: .* 1 missing .* 0 unexpected"):
+        check_adapter_names(model, names[1:], "ckpt_b")
+    with pytest.raises(CheckpointError, match=r"ckpt_c: .* 0 missing .* 1 unexpected"):
+        check_adapter_names(model, [*names, "model.layers.0.self_attn.k_proj.lora_A.default.weight"], "ckpt_c")
+
+
 def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
     from raysft.resume import preflight
 
