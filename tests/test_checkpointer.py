@@ -2,6 +2,7 @@
 saves, failed saves, streaming export."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, g
     assert all(torch.equal(model.state_dict()[k], v) for k, v in merged.items())
 
 
-def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
+def _async_saves(ctx, cfg, store: Path, out: Path) -> tuple[str, str]:
     """Async saves hold the state of the step they were asked for while training goes on, and a write that fails
     in the background fails the save on every rank and leaves nothing of it behind."""
     import raysft.checkpoint.full as ckpt_module
@@ -82,10 +83,24 @@ def _async_saves(ctx, cfg, store: Path, out: Path) -> str:
         trainer.train_step()
         checkpointer.finish()
     except CheckpointError as e:
-        return str(e)
+        failed_save = str(e)
+    else:
+        failed_save = "no error"
     finally:
         ckpt_module.write_safetensors = original
-    return "no error"
+    # a full checkpoint that rank 0 cannot read fails the load on every rank (the others used to wait in the
+    # broadcast of its shards until the collective timeout)
+    unreadable = out / "unreadable"
+    if ctx.rank == 0:
+        shutil.copytree(cfg.run_dir / "checkpoint_00000004", unreadable)
+        with open(unreadable / "model.safetensors", "r+b") as f:
+            f.truncate(100)
+    dist.barrier()
+    try:
+        checkpointer.load(unreadable)
+    except Exception as e:  # noqa: BLE001 - rank 0 raises its own reader's error
+        return failed_save, f"{type(e).__name__}: {e}"
+    return failed_save, "loaded"
 
 
 def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gloo_pool):
@@ -99,9 +114,12 @@ def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gl
         weights = load_file(tmp_path / f"hf-{mode}" / "model.safetensors")
         assert weights.keys() == expected.keys()
         assert all(torch.equal(weights[k], expected[k]) for k in weights), mode
-    for message in outcomes:
+    for message, _ in outcomes:
         assert "writing the checkpoint of step 7 failed on 1 rank(s)" in message, message
-    assert "No space left on device (injected)" in outcomes[0]
+    assert "No space left on device (injected)" in outcomes[0][0]
+    assert outcomes[0][1] != "loaded", outcomes[0]
+    assert outcomes[1][1] == (f"CheckpointError: {tmp_path / 'unreadable'}: rank 0 could not read the full checkpoint: "
+                              f"{outcomes[0][1].split(': ', 1)[1]}")
     # the failed save is gone whole; the previous checkpoint is still the latest and complete
     assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000001", "checkpoint_00000004"]
     assert not (cfg.run_dir / STAGING_DIR).exists() or not any((cfg.run_dir / STAGING_DIR).iterdir())

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
+from raysft.collectives import from_rank0
 from raysft.lora import check_adapter_names, state_dict_options
 from raysft.storage import Location, location
 
@@ -106,18 +107,29 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
 
 def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
-    """Collective: rank 0 reads, every rank receives its shards."""
+    """Collective: rank 0 reads, every rank receives its shards. A read that fails on rank 0 (a file that does not
+    match its sha256, adapters of another model.lora) is raised on every rank: the others would otherwise wait in
+    the broadcast below until the collective timeout."""
     model_sd: dict = {}
     optim_sd: dict = {}
+    error = None
     if dist.get_rank() == 0:
-        with local_copy(ckpt_dir, (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE)) as local:
-            model_sd = read_safetensors(local / MODEL_FILE)
-            for alias, canonical in objs.aliases.items():
-                if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
-                    model_sd[alias] = model_sd[canonical]
-            if objs.lora:
-                check_adapter_names(objs.model, model_sd, str(ckpt_dir))
-            optim_sd = _read_optimizer(local)
+        try:
+            with local_copy(ckpt_dir, (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE)) as local:
+                model_sd = read_safetensors(local / MODEL_FILE)
+                for alias, canonical in objs.aliases.items():
+                    if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
+                        model_sd[alias] = model_sd[canonical]
+                if objs.lora:
+                    check_adapter_names(objs.model, model_sd, str(ckpt_dir))
+                optim_sd = _read_optimizer(local)
+        except Exception as e:  # noqa: BLE001 - raised below, on rank 0 as itself
+            error = e
+    failure = from_rank0(lambda: None if error is None else str(error))
+    if failure is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{ckpt_dir}: rank 0 could not read the full checkpoint: {failure}")
     options = state_dict_options(objs.model, **_BROADCAST)
     set_model_state_dict(objs.model, model_sd, options=options)
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
