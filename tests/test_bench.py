@@ -15,10 +15,11 @@ TOY = ["--hidden", "128", "--layers", "2", "--seq-len", "128", "--micro-batch", 
 
 @pytest.fixture
 def bench(tmp_path):
-    def run(script: str, *args: str) -> list[dict]:
+    def run(script: str, *args: str, toy: bool = True) -> list[dict]:
         out = tmp_path / f"{script}.json"
         with cli_env() as env:  # the harness's scratch directories go to tmp_path
-            proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), *TOY, *args, "--out",
+            proc = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), *(TOY if toy else ()),
+                                   *args, "--out",
                                    str(out)], env={**env, "TMPDIR": str(tmp_path)}, cwd=tmp_path,
                                   capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,6 +60,13 @@ def test_checkpoint_measures_every_mode(bench):
     assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["disk_write_gbps"] > 0 for r in saves)
     # written once: what the processes wrote is the checkpoint's size, not twice it (a copy into storage)
     assert all(0.95 < run["bytes_written"] / run["bytes"] < 1.5 for r in saves for run in r["runs"]), saves
+
+
+def test_checkpoint_floor_measures_each_floor_against_dd(bench):
+    results = bench("checkpoint_floor", "--state-mb", "16", "--repeats", "1", toy=False)
+    assert [r["floor"] for r in results] == ["dd (one writer)", "write", "write + sha256", "write || sha256",
+                                             "write + crc32", "gather to rank 0", "gather, rank 0 writes + sha256"]
+    assert all(r["seconds"] > 0 and r["vs_dd"] > 0 for r in results)
 
 
 def test_recovery_loses_only_the_steps_since_the_checkpoint(bench):
