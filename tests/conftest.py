@@ -139,24 +139,56 @@ def http_status(url: str, token: str | None = None) -> int:
 class GlooPool:
     """Worker processes joined in one gloo process group, started once and reused: each `run(fn, ...)` calls fn
     on every rank, as a launch of raysft.run would, without a process start, imports or Ray per launch. fn must be
-    importable (a module-level function); it gets the rank's WorkerContext first."""
+    importable (a module-level function); it gets the rank's WorkerContext first.
+
+    A worker that dies (once in many suites, torch's gloo thread segfaulted in a worker that had trained dozens of
+    runs) fails the task it was running at once, naming the rank and its exit code, and the pool starts fresh
+    processes for the next task: the other workers would otherwise wait in a collective, and every later test
+    on the pool with them."""
 
     def __init__(self, world_size: int, tmp_dir: Path):
+        self.world_size, self.tmp_dir, self.starts = world_size, tmp_dir, 0
+        self._start()
+
+    def _start(self) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         self.results = ctx.Queue()
-        init = f"file://{tmp_dir / 'pg'}"
-        self.procs = [ctx.Process(target=_gloo_worker, args=(r, world_size, init, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+        self.starts += 1
+        init = f"file://{self.tmp_dir / f'pg{self.starts}'}"  # a fresh rendezvous for each start
+        self.procs = [ctx.Process(target=_gloo_worker, args=(r, self.world_size, init, self.tasks[r], self.results),
+                                  daemon=True) for r in range(self.world_size)]
         for p in self.procs:
             p.start()
 
+    def _restart(self) -> None:
+        for p in self.procs:  # this pool's own processes, by their handles
+            p.kill()
+            p.join(timeout=30)
+        self._start()
+
     def run(self, fn, *args, timeout: float = 600):
+        import queue
+        import time
+
         for q in self.tasks:
             q.put((fn, args))
-        out = dict(self.results.get(timeout=timeout) for _ in self.procs)
+        out: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < len(self.procs):
+            try:
+                rank, value = self.results.get(timeout=1)
+                out[rank] = value
+                continue
+            except queue.Empty:
+                pass
+            dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
+            if dead or time.monotonic() > deadline:
+                self._restart()
+                raise RuntimeError(f"gloo pool: worker(s) died (rank: exit code, negative is the signal): {dead}"
+                                   if dead else f"gloo pool: no result from every rank within {timeout} s")
         errors = [v for v in out.values() if isinstance(v, BaseException)]
         if errors:
             raise errors[0]
