@@ -17,10 +17,8 @@ after handing freed heap memory back to the OS.
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from common import (
     PeakSampler,
     Setup,
     add_model_args,
+    disk_write_gbps,
     median_span,
     rss_bytes,
     save_results,
@@ -121,16 +120,6 @@ def io_write_bytes() -> int:
     """What this process (all its threads) has caused to be written to storage so far."""
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("write_bytes:")).split()[1])
-
-
-def disk_write_gbps(directory: Path, size_mib: int) -> float:
-    """dd of size_mib MiB into `directory`, flushed to disk before dd exits (conv=fdatasync)."""
-    target = directory / "dd.bin"
-    out = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={size_mib}", "conv=fdatasync"],
-                         capture_output=True, text=True, check=True).stderr
-    target.unlink()
-    seconds = float(re.search(r"copied, ([0-9.]+) s", out).group(1))
-    return size_mib * MiB / seconds / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 import zlib
@@ -34,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common import MiB, save_results
+from common import MiB, disk_write_gbps, save_results
 
 CHUNK = 8 * MiB
 
@@ -115,14 +113,6 @@ def _worker(rank: int, world: int, work: str, share_bytes: int, repeats: int, re
     dist.destroy_process_group()
 
 
-def dd_seconds(directory: Path, size_bytes: int) -> float:
-    target = directory / "dd.bin"
-    out = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={size_bytes // MiB}",
-                          "conv=fdatasync"], capture_output=True, text=True, check=True).stderr
-    target.unlink()
-    return float(re.search(r"copied, ([0-9.]+) s", out).group(1)) * size_bytes / (size_bytes // MiB * MiB)
-
-
 def main(argv: list[str] | None = None) -> None:
     import torch.multiprocessing as mp
 
@@ -147,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         times = results.get(timeout=1800)
         for p in procs:
             p.join()
-        dd = [dd_seconds(work, size) for _ in range(args.repeats)]
+        dd = [size / (disk_write_gbps(work, size // MiB) * 1e9) for _ in range(args.repeats)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -7,7 +7,9 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -158,3 +160,14 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+def disk_write_gbps(directory: Path, size_mib: int) -> float:
+    """dd of size_mib MiB into `directory`, flushed to disk before dd exits (conv=fdatasync): the disk's own write
+    bandwidth, in the same run as what is compared with it."""
+    target = directory / "dd.bin"
+    out = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={size_mib}", "conv=fdatasync"],
+                         capture_output=True, text=True, check=True).stderr
+    target.unlink()
+    seconds = float(re.search(r"copied, ([0-9.]+) s", out).group(1))
+    return size_mib * MiB / seconds / 1e9

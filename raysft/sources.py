@@ -53,20 +53,19 @@ def check_table(path: Path) -> None:
     """A clear error, before any record is read, for a directory that is not a saved dataset (or is a DatasetDict:
     name the split), and for a parquet file or a dataset's Arrow file that pyarrow cannot open (cut short by a copy,
     say): pyarrow's own message names no file."""
-    if path.suffix != ".parquet" and not (path / HF_STATE_FILE).is_file():
-        if (path / HF_DICT_FILE).is_file():
-            splits = json.loads((path / HF_DICT_FILE).read_text()).get("splits", [])
-            raise SourceError(f"{path} is a DatasetDict: name one of its splits, e.g. "
-                              f"{path / (splits or ['train'])[0]}")
-        raise SourceError(f"{path} is a directory but not a Hugging Face dataset saved with save_to_disk (no "
-                          f"{HF_STATE_FILE})")
     if path.suffix == ".parquet":
         files = [path]
-    else:
+    elif (path / HF_STATE_FILE).is_file():
         try:
             files = _arrow_files(path)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise SourceError(f"{path / HF_STATE_FILE}: not the state file save_to_disk writes ({e!r})") from None
+    elif (path / HF_DICT_FILE).is_file():
+        splits = json.loads((path / HF_DICT_FILE).read_text()).get("splits", [])
+        raise SourceError(f"{path} is a DatasetDict: name one of its splits, e.g. {path / (splits or ['train'])[0]}")
+    else:
+        raise SourceError(f"{path} is a directory but not a Hugging Face dataset saved with save_to_disk (no "
+                          f"{HF_STATE_FILE})")
     for file in files:
         try:
             if file.suffix == ".parquet":
