@@ -11,6 +11,7 @@ into the same rows.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -44,8 +45,8 @@ from raysft.sources import (
 from raysft.storage import built_then_renamed
 from raysft.tokenizer import tokenizer_fingerprint
 
-__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreInfo", "prepare_store", "read_manifest", "read_store",
-           "store_files"]
+__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreFull", "StoreInfo", "prepare_store", "read_manifest",
+           "read_store", "store_files"]
 
 STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.labels), tool calls
 # Token bytes per parquet row group: a worker reading one sample decodes its whole row group (about 1 ms here).
@@ -57,6 +58,13 @@ Split = Literal["train", "eval"]
 
 class DataError(ValueError):
     """Input data that cannot be used; the message names the file and the record."""
+
+
+class StoreFull(OSError):
+    """The disk of data.store_dir filled up while a store was written; the message names the directory."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota reached
 
 
 def resolve_data_path(name: str) -> Path:
@@ -221,9 +229,14 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
                 "counts": counts,
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    except OSError:
+    except OSError as e:
         if manifest_path.is_file():  # another process finished the same store first: theirs is identical
             return StoreInfo(store, read_manifest(store)["counts"]["samples"], reused=True)
+        if e.errno in DISK_FULL:  # what was written of the store went with its build directory
+            raise StoreFull(f"data.store_dir: {store_root} is full ({os.strerror(e.errno)}) while the store {store.name} "
+                            "was written; its partial files were removed and nothing else there was touched. Free "
+                            "space there or set data.store_dir to another disk, and launch again: the store is then "
+                            "tokenized whole") from None
         raise
     return StoreInfo(store, counts["samples"], reused=False, built_with="ray" if on_ray else "local")
 
