@@ -233,10 +233,10 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         if manifest_path.is_file():  # another process finished the same store first: theirs is identical
             return StoreInfo(store, read_manifest(store)["counts"]["samples"], reused=True)
         if e.errno in DISK_FULL:  # what was written of the store went with its build directory
-            raise StoreFull(f"data.store_dir: {store_root} is full ({os.strerror(e.errno)}) while the store {store.name} "
-                            "was written; its partial files were removed and nothing else there was touched. Free "
-                            "space there or set data.store_dir to another disk, and launch again: the store is then "
-                            "tokenized whole") from None
+            raise StoreFull(f"data.store_dir: {store_root} is full ({os.strerror(e.errno)}) while the store "
+                            f"{store.name} was written; its partial files were removed and nothing else there was "
+                            "touched. Free space there or set data.store_dir to another disk, and launch again: the "
+                            "store is then tokenized whole") from None
         raise
     return StoreInfo(store, counts["samples"], reused=False, built_with="ray" if on_ray else "local")
 
@@ -338,9 +338,25 @@ def write_samples(table: pa.Table, path: Path) -> None:
     os.replace(part, path)
 
 
-def no_usable_records(sources: list[Source], skipped: dict, split: Split | None = None) -> DataError:
+# What to change when every record was skipped for one reason (data.on_bad_record=skip).
+SKIP_HINTS = {"no_assistant_turn": "a record without an assistant turn has nothing to learn",
+              "no_assistant_tokens_after_truncation": "raise data.max_seq_len: it keeps the start of each conversation"}
+
+
+def no_usable_records(sources: list[Source], cfg: DataConfig, counts: dict, split: Split | None = None) -> DataError:
+    """No sample at all, so nothing to train on: the files and why, from the counts, to say what to change."""
+    why = [f"{counts['records']} records read"]
+    if counts["skipped"]:
+        why.append("skipped with data.on_bad_record=skip: " + ", ".join(
+            f"{n} {reason}" + (f" ({SKIP_HINTS[reason]})" if reason in SKIP_HINTS else "")
+            for reason, n in counts["skipped"].items()))
+    if counts["weighted_out"]:
+        why.append(f"{counts['weighted_out']} left out by a source weight below 1")
+    if counts["held_out"]:
+        why.append(f"{counts['held_out']} held out for validation (data.eval_fraction={cfg.eval_fraction})")
     where = f" of the {split} split (data.eval_fraction)" if split else ""
-    return DataError(f"no usable records{where} in {', '.join(str(s.path) for s in sources)} (skipped: {skipped})")
+    return DataError(f"no record{where} of {', '.join(str(s.path) for s in sources)} has anything to learn: "
+                     f"{'; '.join(why)}")
 
 
 def split_copies(cfg: DataConfig, split: Split, weight: float, source_sha: str, index: int) -> int | None:
@@ -363,6 +379,6 @@ def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources:
             samples.add(str(source.path), index, record, split_copies(cfg, split, source.weight, source.sha256, index))
     counts = samples.counts()
     if not counts["samples"]:
-        raise no_usable_records(sources, counts["skipped"], split if cfg.eval_fraction else None)
+        raise no_usable_records(sources, cfg, counts, split if cfg.eval_fraction else None)
     samples.write(out / "samples.parquet")
     return counts

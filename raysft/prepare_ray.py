@@ -235,7 +235,8 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
             counts[name] += r[name]
         skipped.update(r["skipped"])  # in chunk order: reasons in order of first appearance, as locally
     if not counts["samples"]:
-        raise no_usable_records(sources, dict(skipped), split if cfg.eval_fraction else None)
+        raise no_usable_records(sources, cfg, {**counts, "skipped": dict(skipped)},
+                                split if cfg.eval_fraction else None)
     return {**counts, "skipped": dict(skipped)}
 
 

@@ -431,3 +431,31 @@ def test_a_full_store_disk_is_named_and_with_space_again_a_whole_store_is_writte
     assert not store.reused and store.path.name == expected.path.name
     assert read_store(store.path).equals(read_store(expected.path))
     assert read_manifest(store.path) == read_manifest(expected.path)
+
+
+NOTHING_TO_LEARN = {
+    "without_assistant_turns": ([BAD_RECORDS["no_assistant_turn"]] * 3, {"on_bad_record": "skip"},
+                                "3 records read; skipped with data.on_bad_record=skip: 3 no_assistant_turn (a record "
+                                "without an assistant turn has nothing to learn)"),
+    "answers_cut_by_max_seq_len": ([GOOD] * 3, {"on_bad_record": "skip", "max_seq_len": 8},
+                                   "3 records read; skipped with data.on_bad_record=skip: 3 "
+                                   "no_assistant_tokens_after_truncation (raise data.max_seq_len: it keeps the start of "
+                                   "each conversation)"),
+    "no_records": ([], {}, "0 records read"),
+    "weighted_out": ([GOOD] * 3, {"weight": 0.01}, "3 records read; 3 left out by a source weight below 1"),
+}
+
+
+@pytest.mark.parametrize("case", NOTHING_TO_LEARN)
+def test_data_with_nothing_to_learn_is_a_data_error_naming_the_files_and_why(tmp_path, tok, ray_cluster,
+                                                                               small_chunks, case):
+    """Refused at prepare, by both paths alike, with what to change; no store is left."""
+    records, sets, why = NOTHING_TO_LEARN[case]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    weight = sets.pop("weight", 1)
+    for prepare in ("local", "ray"):
+        cfg = DataConfig(paths=[{"path": str(path), "weight": weight}], prepare=prepare, **sets)
+        with pytest.raises(DataError) as e:
+            prepare_store(cfg, tok, tmp_path / prepare)
+        assert str(e.value) == f"no record of {path} has anything to learn: {why}"
+        assert not any((tmp_path / prepare).iterdir())

@@ -68,9 +68,10 @@ def model_code(d):
     edit_json(d / "config.json", model_type="sneaky", auto_map={
         "AutoConfig": "configuration_sneaky.SneakyConfig", "AutoModelForCausalLM": "modeling_sneaky.SneakyForCausalLM"})
     for module, base in (("configuration_sneaky", "LlamaConfig"), ("modeling_sneaky", "LlamaForCausalLM")):
+        sneaky = base.replace("Llama", "Sneaky")
         (d / f"{module}.py").write_text(f"open({str(d / MARKER)!r}, 'w').write('{module} ran')\n"
                                         f"from transformers import {base}\n"
-                                        f"class {base.replace('Llama', 'Sneaky')}({base}):\n    model_type = 'sneaky'\n")
+                                        f"class {sneaky}({base}):\n    model_type = 'sneaky'\n")
 
 
 def tokenizer_code(d):
