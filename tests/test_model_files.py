@@ -119,6 +119,15 @@ def test_a_damaged_or_crafted_model_directory_is_a_config_error_naming_the_file_
     assert not (d / MARKER).exists()
 
 
+def test_a_from_scratch_model_config_that_asks_for_code_is_refused(tmp_path, model_dir):
+    from raysft.resume import prepare_launch
+
+    d = broken_copy(model_dir, tmp_path, model_code)
+    with pytest.raises(ConfigError, match=f"config key 'model.config': {d}/{FAULTS[model_code]}"):
+        prepare_launch(tiny_config(tmp_path, **{"model.config": str(d)}))
+    assert not (d / MARKER).exists()
+
+
 @pytest.mark.parametrize("fault", [model_code, tokenizer_code], ids=lambda f: f.__name__)
 def test_code_in_a_model_directory_never_runs_even_when_the_user_would_say_yes(tmp_path, model_dir, fault,
                                                                              monkeypatch):
