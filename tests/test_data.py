@@ -439,8 +439,8 @@ NOTHING_TO_LEARN = {
                                 "without an assistant turn has nothing to learn)"),
     "answers_cut_by_max_seq_len": ([GOOD] * 3, {"on_bad_record": "skip", "max_seq_len": 8},
                                    "3 records read; skipped with data.on_bad_record=skip: 3 "
-                                   "no_assistant_tokens_after_truncation (raise data.max_seq_len: it keeps the start of "
-                                   "each conversation)"),
+                                   "no_assistant_tokens_after_truncation (raise data.max_seq_len: it keeps the start "
+                                   "of each conversation)"),
     "no_records": ([], {}, "0 records read"),
     "weighted_out": ([GOOD] * 3, {"weight": 0.01}, "3 records read; 3 left out by a source weight below 1"),
 }

@@ -146,6 +146,17 @@ def test_code_in_a_model_directory_never_runs_even_when_the_user_would_say_yes(t
     assert not (d / MARKER).exists()
 
 
+def test_raysft_train_on_a_header_bomb_exits_2_naming_the_file_before_ray_starts(tmp_path, model_dir):
+    """cli_in_process fails the test if the command started Ray: the bomb was a worker's traceback after."""
+    d = broken_copy(model_dir, tmp_path, header_bomb)
+    train = cli_in_process("train", "--set", f"model.path={d}", "--set", "model.tokenizer=",
+                           "--set", f"run.storage_path={tmp_path / 'runs'}")
+    assert train.returncode == 2 and "Traceback" not in train.stderr
+    assert train.stderr.startswith(f"raysft: config error: config key 'model.path': {d}/model.safetensors: the "
+                                   "safetensors header claims 1099511627776 bytes")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("fault", [header_bomb, cut_in_half], ids=lambda f: f.__name__)
 def test_chat_and_a_merged_lora_export_name_the_damaged_weights_file(tmp_path, model_dir, fault):
     from raysft.lora_export import _SafetensorsDir
