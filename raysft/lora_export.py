@@ -23,7 +23,7 @@ from torch import nn
 
 from raysft.config import LoraConfig
 from raysft.lora import ADAPTER, peft_config
-from raysft.model_files import check_model_dir
+from raysft.model_files import check_config_file, check_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -137,7 +137,9 @@ def scratch_base(config_dir: Path, seed: int) -> nn.Module:
     from raysft.config import ModelConfig
     from raysft.model import build_full_model
 
-    return build_full_model(ModelConfig(path=""), AutoConfig.from_pretrained(config_dir, local_files_only=True), seed)
+    check_config_file(config_dir / "config.json")
+    config = AutoConfig.from_pretrained(config_dir, local_files_only=True, trust_remote_code=False)
+    return build_full_model(ModelConfig(path=""), config, seed)
 
 
 def load_adapter_dir(path: Path) -> nn.Module:

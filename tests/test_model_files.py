@@ -169,12 +169,22 @@ def test_chat_and_a_merged_lora_export_name_the_damaged_weights_file(tmp_path, m
         _SafetensorsDir(d)  # the base weights of a LoRA run on model.path, read by export --merge
 
 
-def test_an_adapter_directory_whose_base_asks_for_code_is_refused_by_chat(tmp_path, model_dir, monkeypatch):
-    base = broken_copy(model_dir, tmp_path, model_code)
+@pytest.mark.parametrize("base", ["pretrained", "from_scratch"])
+def test_an_adapter_directory_whose_base_asks_for_code_is_refused_by_chat(tmp_path, model_dir, monkeypatch, base):
+    """The base is model.path's directory, or (from scratch) the adapter directory's own config.json."""
+    d = broken_copy(model_dir, tmp_path, model_code)
     adapter = tmp_path / "adapter"
     adapter.mkdir()
-    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    if base == "pretrained":
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(d)}))
+        named = d
+    else:
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": ""}))
+        (adapter / "raysft_export.json").write_text(json.dumps({"lora": {"base": {"seed": 1}}}))
+        for file in ["config.json", *(p.name for p in d.glob("*.py"))]:
+            shutil.copy(d / file, adapter)
+        named = adapter
     monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
     chat = cli_in_process("chat", str(adapter), "--prompt", "hi")
-    assert chat.returncode == 1 and f"ModelDirError: {base}/config.json: auto_map asks" in chat.stderr
-    assert "Do you wish" not in chat.stdout and not (base / MARKER).exists()
+    assert chat.returncode == 1 and f"ModelDirError: {named}/config.json: auto_map asks" in chat.stderr
+    assert "Do you wish" not in chat.stdout and not (d / MARKER).exists()
