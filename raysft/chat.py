@@ -27,6 +27,7 @@ from raysft.checkpoint import (
 from raysft.hf_export import export
 from raysft.labels import stop_token_ids
 from raysft.lora_export import ADAPTER_CONFIG, load_adapter_dir
+from raysft.model_files import check_model_dir
 
 Message = dict[str, str]
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -67,11 +68,13 @@ class ChatModel:
 
     @classmethod
     def _from_hf_dir(cls, path: Path, model: PreTrainedModel | None = None) -> ChatModel:
-        # local_files_only: a path that does not exist must not turn into a hub download
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # local_files_only: a path that does not exist must not turn into a hub download; no code of it runs
+        check_model_dir(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         if not tokenizer.chat_template:
             raise ValueError(f"{path}: the tokenizer has no chat template (not saved by raysft?)")
-        return cls(model or AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tokenizer)
+        return cls(model or AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False),
+                   tokenizer)
 
     def render(self, messages: list[Message]) -> str:
         """The text the model sees for its next reply: the conversation and the assistant's turn opening."""

@@ -11,6 +11,7 @@ into the same rows.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -44,8 +45,8 @@ from raysft.sources import (
 from raysft.storage import built_then_renamed
 from raysft.tokenizer import tokenizer_fingerprint
 
-__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreInfo", "prepare_store", "read_manifest", "read_store",
-           "store_files"]
+__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreFull", "StoreInfo", "prepare_store", "read_manifest",
+           "read_store", "store_files"]
 
 STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.labels), tool calls
 # Token bytes per parquet row group: a worker reading one sample decodes its whole row group (about 1 ms here).
@@ -57,6 +58,13 @@ Split = Literal["train", "eval"]
 
 class DataError(ValueError):
     """Input data that cannot be used; the message names the file and the record."""
+
+
+class StoreFull(OSError):
+    """The disk of data.store_dir filled up while a store was written; the message names the directory."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota reached
 
 
 def resolve_data_path(name: str) -> Path:
@@ -221,9 +229,14 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
                 "counts": counts,
             }
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    except OSError:
+    except OSError as e:
         if manifest_path.is_file():  # another process finished the same store first: theirs is identical
             return StoreInfo(store, read_manifest(store)["counts"]["samples"], reused=True)
+        if e.errno in DISK_FULL:  # what was written of the store went with its build directory
+            raise StoreFull(f"data.store_dir: {store_root} is full ({os.strerror(e.errno)}) while the store "
+                            f"{store.name} was written; its partial files were removed and nothing else there was "
+                            "touched. Free space there or set data.store_dir to another disk, and launch again: the "
+                            "store is then tokenized whole") from None
         raise
     return StoreInfo(store, counts["samples"], reused=False, built_with="ray" if on_ray else "local")
 
@@ -325,9 +338,25 @@ def write_samples(table: pa.Table, path: Path) -> None:
     os.replace(part, path)
 
 
-def no_usable_records(sources: list[Source], skipped: dict, split: Split | None = None) -> DataError:
+# What to change when every record was skipped for one reason (data.on_bad_record=skip).
+SKIP_HINTS = {"no_assistant_turn": "a record without an assistant turn has nothing to learn",
+              "no_assistant_tokens_after_truncation": "raise data.max_seq_len: it keeps the start of each conversation"}
+
+
+def no_usable_records(sources: list[Source], cfg: DataConfig, counts: dict, split: Split | None = None) -> DataError:
+    """No sample at all, so nothing to train on: the files and why, from the counts, to say what to change."""
+    why = [f"{counts['records']} records read"]
+    if counts["skipped"]:
+        why.append("skipped with data.on_bad_record=skip: " + ", ".join(
+            f"{n} {reason}" + (f" ({SKIP_HINTS[reason]})" if reason in SKIP_HINTS else "")
+            for reason, n in counts["skipped"].items()))
+    if counts["weighted_out"]:
+        why.append(f"{counts['weighted_out']} left out by a source weight below 1")
+    if counts["held_out"]:
+        why.append(f"{counts['held_out']} held out for validation (data.eval_fraction={cfg.eval_fraction})")
     where = f" of the {split} split (data.eval_fraction)" if split else ""
-    return DataError(f"no usable records{where} in {', '.join(str(s.path) for s in sources)} (skipped: {skipped})")
+    return DataError(f"no record{where} of {', '.join(str(s.path) for s in sources)} has anything to learn: "
+                     f"{'; '.join(why)}")
 
 
 def split_copies(cfg: DataConfig, split: Split, weight: float, source_sha: str, index: int) -> int | None:
@@ -350,6 +379,6 @@ def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources:
             samples.add(str(source.path), index, record, split_copies(cfg, split, source.weight, source.sha256, index))
     counts = samples.counts()
     if not counts["samples"]:
-        raise no_usable_records(sources, counts["skipped"], split if cfg.eval_fraction else None)
+        raise no_usable_records(sources, cfg, counts, split if cfg.eval_fraction else None)
     samples.write(out / "samples.parquet")
     return counts

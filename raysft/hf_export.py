@@ -191,7 +191,7 @@ def write_generation_config(out: Path) -> None:
 
     from raysft.labels import stop_token_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=False)
     existing = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None
     config = existing or GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id)
     before = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]

@@ -23,6 +23,7 @@ from torch import nn
 
 from raysft.config import LoraConfig
 from raysft.lora import ADAPTER, peft_config
+from raysft.model_files import check_config_file, check_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -80,6 +81,7 @@ class _SafetensorsDir:
     """The weights of a Hugging Face model directory, one file or sharded with an index, read lazily."""
 
     def __init__(self, path: Path):
+        check_model_dir(path)  # the base may have changed since training checked it
         index = path / "model.safetensors.index.json"
         if index.is_file():
             files = {name: path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
@@ -135,7 +137,9 @@ def scratch_base(config_dir: Path, seed: int) -> nn.Module:
     from raysft.config import ModelConfig
     from raysft.model import build_full_model
 
-    return build_full_model(ModelConfig(path=""), AutoConfig.from_pretrained(config_dir, local_files_only=True), seed)
+    check_config_file(config_dir / "config.json")
+    config = AutoConfig.from_pretrained(config_dir, local_files_only=True, trust_remote_code=False)
+    return build_full_model(ModelConfig(path=""), config, seed)
 
 
 def load_adapter_dir(path: Path) -> nn.Module:
@@ -145,7 +149,9 @@ def load_adapter_dir(path: Path) -> nn.Module:
 
     base_path = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if base_path:
-        base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, dtype=torch.float32)
+        check_model_dir(Path(base_path))
+        base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, trust_remote_code=False,
+                                                    dtype=torch.float32)
     else:
         export = path / "raysft_export.json"
         if not export.is_file():

@@ -7,7 +7,7 @@ dict is broadcast shard by shard. That keeps one full copy in the job, where the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 import raysft.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
 from raysft.lora import add_adapters
+from raysft.model_files import ModelDirError, check_config_file, check_model_dir
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -33,13 +34,15 @@ PRESETS: dict[str, dict] = {
 
 def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     """The architecture to train: the pretrained directory's, a preset's, or a config file's. A ConfigError naming
-    the key when it cannot be used: the same error would meet every worker on every restart."""
+    the key when it cannot be used: the same error would meet every worker on every restart. The directory's
+    files are checked first (raysft.model_files): a damaged or crafted one is refused here, on the driver."""
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(f"config key 'model.path': {cfg.path!r} is not a Hugging Face model directory (it "
                               "needs config.json and the weights; nothing is downloaded)")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        _check("model.path", check_model_dir, path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     elif cfg.config in PRESETS:
         config = LlamaConfig(**PRESETS[cfg.config], vocab_size=len(tokenizer), tie_word_embeddings=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -49,12 +52,20 @@ def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> P
         if not (path.is_file() or (path / "config.json").is_file()):
             raise ConfigError(f"config key 'model.config': {cfg.config!r} is neither a preset "
                               f"({', '.join(PRESETS)}) nor a config.json / model directory")
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        _check("model.config", check_config_file, path if path.is_file() else path / "config.json")
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if config.vocab_size < len(tokenizer):
         raise ConfigError(f"config key 'model.tokenizer': the tokenizer has {len(tokenizer)} tokens but the model's "
                           f"vocab_size is {config.vocab_size}: token ids would index past the embedding (a tokenizer "
                           "of another model?)")
     return config
+
+
+def _check(key: str, check: Callable[[Path], None], path: Path) -> None:
+    try:
+        check(path)
+    except ModelDirError as e:
+        raise ConfigError(f"config key '{key}': {e}") from None
 
 
 @contextmanager
@@ -85,7 +96,8 @@ def build_full_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> n
     """A real fp32 copy on CPU: the pretrained weights, or a seeded initialization (same on any topology)."""
     if cfg.path:
         return AutoModelForCausalLM.from_pretrained(cfg.path, config=config, local_files_only=True,
-                                                    dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+                                                    trust_remote_code=False, dtype=torch.float32,
+                                                    attn_implementation=cfg.attn_implementation)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=torch.float32)
 

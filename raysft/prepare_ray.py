@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from raysft.config import BUILTIN, DataConfig
 from raysft.data import (
+    DISK_FULL,
     DataError,
     Samples,
     Split,
@@ -185,6 +186,10 @@ def _tokenize_chunks(batch: dict, tokenizer: PreTrainedTokenizerBase, fingerprin
             results.append({"number": chunk.number, "error": (
                 f"{e.filename}: not found on {socket.gethostname()}: with data.prepare=ray every node reads data.paths "
                 "and writes data.store_dir at the driver's paths (a shared mount), or set data.prepare=local")})
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            results.append({"number": chunk.number, "errno": e.errno, "error": str(e)})  # the driver names the disk
         else:
             results.append({"number": chunk.number, **samples.counts()})
     return {"result": [json.dumps(r) for r in results]}
@@ -215,6 +220,9 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
     finally:
         if started:
             ray.shutdown()
+    full = next((r for r in results if r.get("errno")), None)
+    if full:  # not retried: the disk stays full
+        raise OSError(full["errno"], full["error"])
     errors = [r["error"] for r in results if "error" in r]
     if errors:  # the first in input order: the one the local path stops at
         raise DataError(errors[0])
@@ -227,7 +235,8 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
             counts[name] += r[name]
         skipped.update(r["skipped"])  # in chunk order: reasons in order of first appearance, as locally
     if not counts["samples"]:
-        raise no_usable_records(sources, dict(skipped), split if cfg.eval_fraction else None)
+        raise no_usable_records(sources, cfg, {**counts, "skipped": dict(skipped)},
+                                split if cfg.eval_fraction else None)
     return {**counts, "skipped": dict(skipped)}
 
 

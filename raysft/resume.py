@@ -42,6 +42,7 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     what would fail the same way on every worker and every restart, and claim the run directory."""
     check_trackers(config)
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
+    check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
     store = prepare_store(config.data, tokenizer, config.store_dir)
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
@@ -50,22 +51,25 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
         eval_store = prepare_store(config.data, tokenizer, config.store_dir, split="eval")
         print(f"raysft: eval store {eval_store.path} ({eval_store.num_samples} samples"
               f"{', reused' if eval_store.reused else ''})", flush=True)
-    preflight(config, tokenizer, store.num_samples)
+    check_batch(config, store.num_samples)
     moved = claim_run_dir(config, store.path.name, fresh)
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
     return Stores(store.path, eval_store.path if eval_store else None)
 
 
-def preflight(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, num_samples: int) -> None:
-    """The model's directory or config and its vocabulary against the tokenizer, and the data against the batch:
-    errors that would otherwise meet every worker and be retried scaling.max_failures times."""
+def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The model's directory (its files checked, raysft.model_files) or config, its vocabulary against the tokenizer
+    and the LoRA targets: errors that would otherwise meet every worker and be retried scaling.max_failures times."""
     hf_config = load_model_config(config.model, tokenizer)
     if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
         from raysft.lora import add_adapters
         from raysft.model import build_meta_model
 
         add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+
+
+def check_batch(config: TrainConfig, num_samples: int) -> None:
     if num_samples < config.train.global_batch_size:
         raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} samples per step, "
                           f"but the data has {num_samples}: lower it or add data")

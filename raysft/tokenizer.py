@@ -7,8 +7,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from raysft.config import BUILTIN, ModelConfig
+from raysft.config import BUILTIN, ConfigError, ModelConfig
 from raysft.demo import DEMO_TOKENIZER
+from raysft.model_files import ModelDirError, refuse_code
 
 # FastChat's vicuna_v1.1 conversation, text for text ("<s>SYSTEM USER: q ASSISTANT: a</s>USER: ..."), with the
 # assistant text and its </s> marked for the loss.
@@ -48,18 +49,23 @@ def resolve_tokenizer_dir(model: ModelConfig) -> Path:
         raise FileNotFoundError(f"model.tokenizer: {path} has no tokenizer vocabulary (none of "
                                 f"{', '.join(VOCABULARY_FILES)}, *.model; it holds "
                                 f"{sorted(p.name for p in path.iterdir())})")
+    try:
+        refuse_code(path)  # before transformers would ask on the terminal whether to run it
+    except ModelDirError as e:
+        raise ConfigError(f"config key '{'model.tokenizer' if model.tokenizer else 'model.path'}': {e}") from None
     return path
 
 
 def load_tokenizer(model: ModelConfig, chat_template: str = "auto") -> PreTrainedTokenizerBase:
     """The model's tokenizer with the chat template used for training installed on it.
 
-    local_files_only: nothing is ever fetched from a hub.
+    local_files_only: nothing is ever fetched from a hub; trust_remote_code=False: no code of the directory runs.
     """
-    tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer_dir(model), local_files_only=True)
+    directory = resolve_tokenizer_dir(model)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     if not tokenizer.is_fast:
-        raise ValueError(f"{resolve_tokenizer_dir(model)}: a fast tokenizer is needed for assistant masks")
-    source = f"the chat template of {resolve_tokenizer_dir(model)}"
+        raise ValueError(f"{directory}: a fast tokenizer is needed for assistant masks")
+    source = f"the chat template of {directory}"
     if chat_template == "vicuna" or (chat_template == "auto" and not tokenizer.chat_template):
         tokenizer.chat_template, source = VICUNA_TEMPLATE, "the Vicuna v1.1 chat template"
     elif chat_template != "auto":

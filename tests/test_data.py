@@ -1,5 +1,6 @@
 import json
 import re
+import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +12,7 @@ from raysft.conversation import to_conversation
 from raysft.data import (
     IGNORE_INDEX,
     DataError,
+    StoreFull,
     prepare_store,
     read_manifest,
     read_store,
@@ -389,3 +391,71 @@ def test_a_ray_task_that_cannot_see_the_input_says_what_to_do(tmp_path, tok):
                            str(tmp_path))
     error = json.loads(out["result"][0])["error"]
     assert "elsewhere.jsonl: not found on " in error and "a shared mount), or set data.prepare=local" in error
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 KiB tmpfs: a real disk that fills before the demo's store (about 44 KiB) is written. Mounting needs
+    root; the test is skipped where the machine does not allow it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("prepare", ["local", "ray"])
+def test_a_full_store_disk_is_named_and_with_space_again_a_whole_store_is_written(tmp_path, tok, small_disk, prepare,
+                                                                                  request):
+    """ENOSPC during prepare: StoreFull naming data.store_dir, no torn store left to be reused, the directory's
+    other files kept; after space is freed the next prepare writes the store every launch would have written."""
+    if prepare == "ray":
+        request.getfixturevalue("ray_cluster")
+        request.getfixturevalue("small_chunks")
+    cfg = DataConfig(paths=["builtin:demo"], prepare=prepare)
+    root = small_disk / "stores"
+    root.mkdir()
+    (root / "notes.txt").write_text("kept")
+    with pytest.raises(StoreFull, match=f"data.store_dir: {root} is full \\(No space left on device\\) while the "
+                                        "store [0-9a-f]{20} was written"):
+        prepare_store(cfg, tok, root)
+    assert [p.name for p in root.iterdir()] == ["notes.txt"] and (root / "notes.txt").read_text() == "kept"
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)  # space again
+    store = prepare_store(cfg, tok, root)
+    expected = prepare_store(DataConfig(paths=["builtin:demo"], prepare="local"), tok, tmp_path / "elsewhere")
+    assert not store.reused and store.path.name == expected.path.name
+    assert read_store(store.path).equals(read_store(expected.path))
+    assert read_manifest(store.path) == read_manifest(expected.path)
+
+
+NOTHING_TO_LEARN = {
+    "without_assistant_turns": ([BAD_RECORDS["no_assistant_turn"]] * 3, {"on_bad_record": "skip"},
+                                "3 records read; skipped with data.on_bad_record=skip: 3 no_assistant_turn (a record "
+                                "without an assistant turn has nothing to learn)"),
+    "answers_cut_by_max_seq_len": ([GOOD] * 3, {"on_bad_record": "skip", "max_seq_len": 8},
+                                   "3 records read; skipped with data.on_bad_record=skip: 3 "
+                                   "no_assistant_tokens_after_truncation (raise data.max_seq_len: it keeps the start "
+                                   "of each conversation)"),
+    "no_records": ([], {}, "0 records read"),
+    "weighted_out": ([GOOD] * 3, {"weight": 0.01}, "3 records read; 3 left out by a source weight below 1"),
+}
+
+
+@pytest.mark.parametrize("case", NOTHING_TO_LEARN)
+def test_data_with_nothing_to_learn_is_a_data_error_naming_the_files_and_why(tmp_path, tok, ray_cluster,
+                                                                               small_chunks, case):
+    """Refused at prepare, by both paths alike, with what to change; no store is left."""
+    records, sets, why = NOTHING_TO_LEARN[case]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    weight = sets.pop("weight", 1)
+    for prepare in ("local", "ray"):
+        cfg = DataConfig(paths=[{"path": str(path), "weight": weight}], prepare=prepare, **sets)
+        with pytest.raises(DataError) as e:
+            prepare_store(cfg, tok, tmp_path / prepare)
+        assert str(e.value) == f"no record of {path} has anything to learn: {why}"
+        assert not any((tmp_path / prepare).iterdir())

@@ -243,13 +243,13 @@ def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_che
 
 
 def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
-    from raysft.resume import preflight
+    from raysft.resume import check_model
 
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj, qkv_proj]"])
-    preflight(cfg, load_tokenizer(cfg.model, "auto"), 10_000)  # peft adapts the layers that match any name
+    check_model(cfg, load_tokenizer(cfg.model, "auto"))  # peft adapts the layers that match any name
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[qkv_proj]"])
     with pytest.raises(ConfigError, match="model.lora.target_modules.*qkv_proj"):
-        preflight(cfg, load_tokenizer(cfg.model, "auto"), 10_000)
+        check_model(cfg, load_tokenizer(cfg.model, "auto"))
 
 
 def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_adapter_chat_loads(tmp_path,
