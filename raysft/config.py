@@ -134,6 +134,13 @@ class TrainLoopConfig:
     eval_every_n_steps: int = 0
     """With validation data (data.eval_paths or data.eval_fraction): the eval loss every N steps and at every
     checkpoint; 0: at every checkpoint only."""
+    max_skipped_steps: int = 10
+    """End the run with TrainingDivergedError, naming the step and what was wrong, after this many skipped steps in
+    a row (a step is skipped on every rank, without changing weights, optimizer state or LR schedule, when its loss
+    or gradient norm is NaN or inf on any rank, on an fp16 overflow, or on a loss spike); 0: never stop."""
+    loss_spike_factor: float = 0.0
+    """Skip a step whose loss exceeds this factor times the median loss of the last 32 applied steps (from the 8th
+    applied step on; raysft.step_guard); 0: off."""
 
 
 # model.attn_implementation: transformers' built-in kernels; anything registered with transformers'

@@ -33,11 +33,17 @@ class CheckpointSaveError(CheckpointError):
     checkpoint is not complete and never reported, so the previous one stays the latest."""
 
 
+class NonFiniteStateError(CheckpointSaveError):
+    """The weights or optimizer state to be saved hold NaN or inf: nothing is written, and the checkpoints before
+    stay the latest (retention never prunes them for it)."""
+
+
 @dataclass
 class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
     eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
+    skipped_steps: int = 0  # steps not applied (raysft.step_guard), over the whole run
 
 
 @dataclass
@@ -69,6 +75,7 @@ def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Trai
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
         "eval_loss": state.eval_loss,
+        "skipped_steps": state.skipped_steps,
         **({"lora": objs.lora} if objs.lora else {}),
     }, indent=1))
 
@@ -96,7 +103,8 @@ def restore_trainer_state(state: dict, objs: TrainingObjects) -> TrainState:
     objs.scheduler.load_state_dict(state["scheduler"])
     if objs.scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16: fresh
         objs.scaler.load_state_dict(state["loss_scaler"])
-    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
+    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]),
+                      skipped_steps=int(state.get("skipped_steps") or 0))
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
