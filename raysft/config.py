@@ -52,7 +52,8 @@ class ModelConfig:
     """transformers' attention kernel: one of ATTN_IMPLEMENTATIONS ("sdpa", "eager", "flex_attention",
     "flash_attention_2" if installed, or "varlen": raysft's padding-free attention for data.packing, flash varlen
     from torch on CUDA in bf16/fp16, per-sample SDPA elsewhere) or a name registered with transformers'
-    AttentionInterface."""
+    AttentionInterface. One that would not attend as the model does is refused: varlen with the model's
+    sliding_window shorter than data.max_seq_len, varlen or sdpa with its attn_logit_softcapping."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (raysft.lora); needs `pip install 'raysft[lora]'`."""
 
