@@ -19,7 +19,6 @@ from raysft.config import ConfigError
 from raysft.data import prepare_store
 from raysft.metrics import progress_line, read_metrics
 from raysft.run import launch
-from raysft.step_guard import TrainingDivergedError
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
@@ -170,9 +169,3 @@ def test_a_checkpoint_of_nan_is_refused_in_every_layout_and_the_earlier_one_is_k
 def test_guard_settings_out_of_range_are_config_errors(tmp_path, key, value):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_config(tmp_path, **{key: value})
-
-
-def test_training_diverged_is_not_retried_by_ray():
-    from raysft.launch import NOT_RETRIED
-
-    assert TrainingDivergedError in NOT_RETRIED and NonFiniteStateError in NOT_RETRIED
