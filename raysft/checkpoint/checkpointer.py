@@ -51,17 +51,19 @@ def available_memory_bytes() -> int:
 
 def first_non_finite(objs: TrainingObjects) -> str | None:
     """The name of the first of this rank's parameter shards and optimizer-state tensors that holds a NaN or inf,
-    if any: one pass over the local tensors, no communication."""
-    tensors = [(name, p) for name, p in objs.model.named_parameters()]
+    if any: one pass over the local tensors and one read of their flags, no communication."""
+    tensors = list(objs.model.named_parameters())
     names = {id(p): name for name, p in tensors}
     for param, state in objs.optimizer.state.items():
         tensors += [(f"optimizer {key} of {names.get(id(param), '?')}", v) for key, v in state.items()
                     if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    for name, t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-            return name
-    return None
+    if not tensors:
+        return None
+    local = [(t.to_local() if isinstance(t, DTensor) else t).detach() for _, t in tensors]
+    flags = torch.stack([torch.isfinite(t).all().to(local[0].device) for t in local])
+    if bool(flags.all()):
+        return None
+    return tensors[int((~flags).nonzero()[0, 0])][0]
 
 
 def check_finite(objs: TrainingObjects, step: int) -> None:
