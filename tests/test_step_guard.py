@@ -23,6 +23,12 @@ from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory) -> str:
+    """One data store for the module's runs (the same demo data and length): tokenized once."""
+    return str(tmp_path_factory.mktemp("stores"))
+
+
 def _store(cfg):
     return prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
 
@@ -73,8 +79,9 @@ def _skip_and_spike(ctx, cfg, store) -> dict:
     return out
 
 
-def test_a_non_finite_or_spiking_step_is_skipped_on_every_rank_without_changing_anything(tmp_path, gloo_pool):
-    cfg = tiny_config(tmp_path, **{"train.loss_spike_factor": 3, "train.log_every_n_steps": 1})
+def test_a_non_finite_or_spiking_step_is_skipped_on_every_rank_without_changing_anything(tmp_path, gloo_pool, stores):
+    cfg = tiny_config(tmp_path, **{"train.loss_spike_factor": 3, "train.log_every_n_steps": 1,
+                                   "data.store_dir": stores})
     ranks = gloo_pool.run(_skip_and_spike, cfg, _store(cfg))
     for out in ranks:
         for name in ("nan_on_rank1", "inf_on_both", "spike"):  # a NaN on one rank is skipped on both
@@ -94,13 +101,14 @@ def test_a_non_finite_or_spiking_step_is_skipped_on_every_rank_without_changing_
     assert [e["step"] for e in events] == [9, 10, 11]
 
 
-def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(tmp_path, gloo_pool):
+def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(tmp_path, gloo_pool, stores):
     """The issue's run: train.lr=1e20 trained 30 steps at loss nan, exited 0 and left NaN checkpoints. Now every
     non-finite step is skipped, the run ends with TrainingDivergedError after train.max_skipped_steps in a row,
     and every checkpoint on disk (checkpoint.keep: 2 prunes only among good ones) holds finite weights."""
     cfg = run_config(tmp_path, "lr1e20", **{"train.lr": 1e20, "train.max_steps": 30, "train.warmup_steps": 0,
                                             "checkpoint.every_n_steps": 1, "checkpoint.keep": 2,
-                                            "train.max_skipped_steps": 4, "checkpoint.mode": "full"})
+                                            "train.max_skipped_steps": 4, "checkpoint.mode": "full",
+                                            "data.store_dir": stores})
     with pytest.raises(RuntimeError, match=r"TrainingDivergedError: step (\d+): 4 steps in a row skipped "
                        r"\(train.max_skipped_steps=4\), the last for non-finite loss") as raised:
         gloo_pool.run(launch, cfg)
@@ -155,8 +163,9 @@ def _refuse_non_finite(ctx, cfg, store, poison: str) -> dict:
 
 
 @pytest.mark.parametrize("poison", ["weight", "optimizer"])
-def test_a_checkpoint_of_nan_is_refused_in_every_layout_and_the_earlier_one_is_kept(tmp_path, gloo_pool, poison):
-    cfg = run_config(tmp_path, f"nan-{poison}")
+def test_a_checkpoint_of_nan_is_refused_in_every_layout_and_the_earlier_one_is_kept(tmp_path, gloo_pool, stores,
+                                                                                    poison):
+    cfg = run_config(tmp_path, f"nan-{poison}", **{"data.store_dir": stores})
     for out in gloo_pool.run(_refuse_non_finite, cfg, _store(cfg), poison):
         for name in ("full", "sharded", "sharded-async", "full-async"):
             assert re.match(r"step \d+: not saving a checkpoint of non-finite values \(rank 1: ", out[name]), out[name]
