@@ -122,7 +122,9 @@ def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(
     for ckpt in kept:
         weights = load_file(ckpt / "model.safetensors")
         assert all(torch.isfinite(w).all() for w in weights.values()), ckpt.name
-        assert json.loads((ckpt / "trainer_state.json").read_text())["step"] <= stopped
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        assert state["step"] <= stopped  # and the run's skips so far go into the checkpoint
+        assert state["skipped_steps"] == sum(r["skipped"] for r in rows if r["step"] <= state["step"]) > 0
 
 
 def _refuse_non_finite(ctx, cfg, store, poison: str) -> dict:

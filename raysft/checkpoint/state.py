@@ -104,7 +104,7 @@ def restore_trainer_state(state: dict, objs: TrainingObjects) -> TrainState:
     if objs.scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16: fresh
         objs.scaler.load_state_dict(state["loss_scaler"])
     return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]),
-                      skipped_steps=int(state.get("skipped_steps") or 0))
+                      skipped_steps=skipped if isinstance(skipped := state.get("skipped_steps"), int) else 0)
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
