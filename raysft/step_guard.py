@@ -42,7 +42,10 @@ class StepGuard:
         """Collective: why step `step` must be skipped on every rank, or None to apply it. `loss_sum` is this
         rank's summed loss, `loss_tokens` the global batch's, `grad_norm` the global norm (NaN if any rank's
         gradients hold one)."""
-        values = torch.stack([loss_sum.detach().reshape(()).float(), grad_norm.detach().reshape(()).float()])
+        norm = grad_norm.detach().reshape(()).float()
+        if dist.get_rank():  # the norm is global already: summed, only rank 0's counts (exactly), or a non-finite one
+            norm = torch.where(torch.isfinite(norm), torch.zeros_like(norm), norm)
+        values = torch.stack([loss_sum.detach().reshape(()).float(), norm])
         dist.all_reduce(values)  # a NaN or inf on any rank reaches every rank
         total, norm = values.tolist()
         loss = total / loss_tokens

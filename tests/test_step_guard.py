@@ -57,16 +57,19 @@ def _skip_and_spike(ctx, cfg, store) -> dict:
         trainer.train_step()
     out = {}
 
-    def poisoned(factor, ranks):
+    def poisoned(poison, ranks):
         def loss_sum(model, batch):
             ce = real(model, batch)
-            return ce * factor if ctx.rank in ranks else ce
+            return poison(ce) if ctx.rank in ranks else ce
         return loss_sum
 
-    for name, factor, ranks in (("nan_on_rank1", float("nan"), {1}), ("inf_on_both", float("inf"), {0, 1}),
-                                ("spike", 50.0, {0, 1})):
+    inf_only = torch.tensor(float("inf"))  # added, not multiplied: the loss is inf, the gradients stay finite
+    for name, poison, ranks in (("nan_on_rank1", lambda ce: ce * float("nan"), {1}),
+                                ("inf_on_both", lambda ce: ce * float("inf"), {0, 1}),
+                                ("inf_loss_on_rank0", lambda ce: ce + inf_only, {0}),
+                                ("spike", lambda ce: ce * 50.0, {0, 1})):
         before, cursor = _snapshot(trainer), trainer.sampler.cursor.state_dict()
-        raysft.trainer.micro_batch_loss_sum = poisoned(factor, ranks)
+        raysft.trainer.micro_batch_loss_sum = poisoned(poison, ranks)
         try:
             metrics = trainer.train_step()
         finally:
@@ -84,21 +87,24 @@ def test_a_non_finite_or_spiking_step_is_skipped_on_every_rank_without_changing_
                                    "data.store_dir": stores})
     ranks = gloo_pool.run(_skip_and_spike, cfg, _store(cfg))
     for out in ranks:
-        for name in ("nan_on_rank1", "inf_on_both", "spike"):  # a NaN on one rank is skipped on both
+        for name in ("nan_on_rank1", "inf_on_both", "inf_loss_on_rank0", "spike"):  # one rank's NaN skips on both
             assert out[name]["unchanged"] and out[name]["cursor_moved"], name  # the batch is passed over
             assert out[name]["metrics"]["skipped"], name
         assert out["applied"]["changed"] and not out["applied"]["metrics"]["skipped"]
-        assert out["skipped_steps"] == 3
+        assert out["skipped_steps"] == 4
     m = ranks[0]
     assert m["nan_on_rank1"]["metrics"]["skip_reason"].startswith("non-finite loss and gradient norm")
     assert m["inf_on_both"]["metrics"]["skip_reason"].startswith("non-finite loss")
+    # the global gradient norm, as clip_grad_norm_ returned it on each rank (not summed over the ranks)
+    inf_loss = m["inf_loss_on_rank0"]["metrics"]
+    assert inf_loss["skip_reason"] == f"non-finite loss (loss inf, gradient norm {inf_loss['grad_norm']})"
     assert m["spike"]["metrics"]["skip_reason"].startswith("loss spike")
-    assert m["applied"]["metrics"]["skipped_steps"] == 3
-    assert "skipped 3" in progress_line(12, 20, {**m["applied"]["metrics"], "tokens_per_s": 1.0}, None)
+    assert m["applied"]["metrics"]["skipped_steps"] == 4
+    assert "skipped 4" in progress_line(12, 20, {**m["applied"]["metrics"], "tokens_per_s": 1.0}, None)
     rows = [r for r in read_metrics(cfg.run_dir) if "loss" in r]
-    assert [r["step"] for r in rows if r["skipped"]] == [9, 10, 11] and rows[-1]["skipped_steps"] == 3
+    assert [r["step"] for r in rows if r["skipped"]] == [9, 10, 11, 12] and rows[-1]["skipped_steps"] == 4
     events = [r for r in read_metrics(cfg.run_dir) if r.get("event") == "skipped_step"]
-    assert [e["step"] for e in events] == [9, 10, 11]
+    assert [e["step"] for e in events] == [9, 10, 11, 12]
 
 
 def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(tmp_path, gloo_pool, stores):
