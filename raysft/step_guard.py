@@ -7,6 +7,9 @@ the ranks, so it costs one small all-reduce and one read on the host per step, a
 The data cursor still moves past the batch (the next step takes the next one) and the step counts toward
 train.max_steps, as Megatron-LM counts its skipped iterations. Too many skips in a row end the run with
 TrainingDivergedError: a run whose every step is skipped is not training.
+
+The guard's state (the recent losses and the skips in a row) goes into each checkpoint's trainer state, so that a
+resumed run decides every step as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ class StepGuard:
         self.recent: deque[float] = deque(maxlen=LOSS_SPIKE_WINDOW)  # losses of applied steps
         self.in_a_row = 0
         self.diverged: TrainingDivergedError | None = None  # set when the skips in a row reach max_skipped
+
+    def state_dict(self) -> dict:
+        """JSON-ready: the losses of the recent applied steps, oldest first, and the skips in a row."""
+        return {"recent": list(self.recent), "in_a_row": self.in_a_row}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take up a state that `state_problem` accepts."""
+        self.recent = deque(state["recent"], maxlen=LOSS_SPIKE_WINDOW)
+        self.in_a_row = state["in_a_row"]
 
     def check(self, step: int, loss_sum: torch.Tensor, loss_tokens: int, grad_norm: torch.Tensor) -> str | None:
         """Collective: why step `step` must be skipped on every rank, or None to apply it. `loss_sum` is this
@@ -69,3 +81,17 @@ class StepGuard:
                 f"the last for {reason}. The weights are those of step {step - self.in_a_row}; lower train.lr, "
                 "check the data of these steps, or raise train.max_skipped_steps (0: never stop)")
         return reason
+
+
+def state_problem(state: object) -> str | None:
+    """What is wrong with a StepGuard state read from a checkpoint, or None: `recent` a list of at most
+    LOSS_SPIKE_WINDOW finite numbers, `in_a_row` a count."""
+    if not isinstance(state, dict) or set(state) != {"recent", "in_a_row"}:
+        return f"expected an object with keys recent and in_a_row, found {state!r}"
+    recent, in_a_row = state["recent"], state["in_a_row"]
+    if not isinstance(recent, list) or len(recent) > LOSS_SPIKE_WINDOW or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in recent):
+        return f"recent must be a list of at most {LOSS_SPIKE_WINDOW} finite losses, found {recent!r}"
+    if not isinstance(in_a_row, int) or isinstance(in_a_row, bool) or in_a_row < 0:
+        return f"in_a_row must be a count, found {in_a_row!r}"
+    return None

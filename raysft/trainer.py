@@ -131,7 +131,7 @@ class Trainer:
         self.scaler = build_loss_scaler(cfg.parallel, ctx.device)
         self.guard = StepGuard(t)
         self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
-                                    self.tokenizer, self.aliases, lora=record(cfg))
+                                    self.tokenizer, self.aliases, self.guard, lora=record(cfg))
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank)

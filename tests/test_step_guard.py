@@ -9,12 +9,20 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import run_config, tiny_config
+from conftest import run_config, step_losses, tiny_config
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 import raysft.trainer
-from raysft.checkpoint import Checkpointer, DirectorySink, NonFiniteStateError, checkpoint_dirs
+from raysft.checkpoint import (
+    STATE_FILE,
+    Checkpointer,
+    CheckpointError,
+    DirectorySink,
+    NonFiniteStateError,
+    checkpoint_dirs,
+    read_trainer_state,
+)
 from raysft.config import ConfigError
 from raysft.data import prepare_store
 from raysft.metrics import progress_line, read_metrics
@@ -131,6 +139,64 @@ def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(
         state = json.loads((ckpt / "trainer_state.json").read_text())
         assert state["step"] <= stopped  # and the run's skips so far go into the checkpoint
         assert state["skipped_steps"] == sum(r["skipped"] for r in rows if r["step"] <= state["step"]) > 0
+
+
+def _launch_with_spikes(ctx, cfg, spikes: set[int]) -> dict:
+    """raysft.run.launch with the loss (and so the gradients) of the steps in `spikes` 50 times what it is."""
+    real_loss, real_step = raysft.trainer.micro_batch_loss_sum, Trainer.train_step
+    current = [0]
+
+    def train_step(self, *args, **kwargs):
+        current[0] = self.state.step + 1
+        return real_step(self, *args, **kwargs)
+
+    def loss_sum(model, batch):
+        ce = real_loss(model, batch)
+        return ce * 50.0 if current[0] in spikes else ce
+
+    raysft.trainer.micro_batch_loss_sum, Trainer.train_step = loss_sum, train_step
+    try:
+        return launch(ctx, cfg)
+    finally:
+        raysft.trainer.micro_batch_loss_sum, Trainer.train_step = real_loss, real_step
+
+
+def test_a_run_with_the_spike_guard_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,
+                                                                                                  stores):
+    """The guard's recent losses and skips in a row go into the checkpoint: resumed at step 9, just after a skipped
+    spike, the run skips the spike of step 10 as the uninterrupted run does (a fresh guard has no history to
+    measure it against, and would apply it)."""
+    sets = {"train.loss_spike_factor": 3, "train.log_every_n_steps": 1, "checkpoint.mode": "full",
+            "checkpoint.keep": 9, "data.store_dir": stores}
+    whole = run_config(tmp_path, "whole", **sets)
+    gloo_pool.run(_launch_with_spikes, whole, {9, 10})
+    for leg in ({"train.stop_at_step": 9}, {}):
+        resumed = run_config(tmp_path, "resumed", **sets, **leg)
+        gloo_pool.run(_launch_with_spikes, resumed, {9, 10})
+    for run_dir in (whole.run_dir, resumed.run_dir):
+        assert [r["step"] for r in read_metrics(run_dir) if r.get("event") == "skipped_step"] == [9, 10]
+    assert [r["step"] for r in read_metrics(resumed.run_dir) if r.get("event") == "resume"] == [9]
+    assert step_losses(resumed.run_dir) == step_losses(whole.run_dir)
+    ends = [checkpoint_dirs(run_dir)[-1] for run_dir in (whole.run_dir, resumed.run_dir)]
+    assert [d.name for d in ends] == ["checkpoint_00000012"] * 2
+    weights = [load_file(d / "model.safetensors") for d in ends]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert read_trainer_state(ends[0])["step_guard"] == read_trainer_state(ends[1])["step_guard"]
+    at_9 = read_trainer_state(resumed.run_dir / "checkpoint_00000009")["step_guard"]
+    assert len(at_9["recent"]) == 8 and at_9["in_a_row"] == 1
+
+
+@pytest.mark.parametrize("guard", [
+    [], {"recent": []}, {"recent": "1.0", "in_a_row": 0}, {"recent": [1.0, float("nan")], "in_a_row": 0},
+    {"recent": [True], "in_a_row": 0}, {"recent": [1.0] * 33, "in_a_row": 0}, {"recent": [], "in_a_row": -1},
+    {"recent": [], "in_a_row": 1.5}])
+def test_a_malformed_step_guard_state_is_a_checkpoint_error_naming_the_file(tmp_path, guard):
+    path = tmp_path / STATE_FILE
+    path.write_text(json.dumps({"format_version": 1, "mode": "full", "step": 9, "cursor": {}, "scheduler": {},
+                                "world_size": 2, "step_guard": guard}))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: step_guard: "):
+        read_trainer_state(tmp_path)
 
 
 def _refuse_non_finite(ctx, cfg, store, poison: str) -> dict:
