@@ -18,10 +18,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
+
+from raysft.config import ConfigError
 
 VARLEN = "varlen"
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
+# transformers' kernels that take the model's sliding window and attention-logit soft-capping as the model asks;
+# sdpa takes the window (through the mask transformers builds) but not the soft-capping
+KEEPS_WINDOW_AND_SOFTCAP = ("eager", "flex_attention", "flash_attention_2")
+
+
+def check_attention(config: PretrainedConfig, attn_implementation: str, max_seq_len: int) -> None:
+    """ConfigError, naming the model's setting, when `attn_implementation` would attend otherwise than the model was
+    built to: raysft's varlen has no sliding window (it matters once a sample is longer than the window: Mistral
+    v0.1, Gemma-2/3) and no logit soft-capping (Gemma-2), and SDPA no soft-capping. Checked on the driver, before
+    anything starts; a model trained on other attention than it runs with would not fail, only learn wrong."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)  # Qwen2 sets it to None unless use_sliding_window
+    layer_types = getattr(text, "layer_types", None)
+    if window and layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    name = attn_implementation
+    if name == VARLEN and window and max_seq_len > window:
+        raise ConfigError(f"config key 'model.attn_implementation': '{VARLEN}' has no sliding window, but the model's "
+                          f"config sets sliding_window={window} and data.max_seq_len={max_seq_len} is longer: use "
+                          f"one of {', '.join(KEEPS_WINDOW_AND_SOFTCAP)} or sdpa, or data.max_seq_len <= {window}")
+    if name in (VARLEN, "sdpa") and softcap:
+        raise ConfigError(f"config key 'model.attn_implementation': '{name}' has no logit soft-capping, but the "
+                          f"model's config sets attn_logit_softcapping={softcap}: use one of "
+                          f"{', '.join(KEEPS_WINDOW_AND_SOFTCAP)}")
 
 
 def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

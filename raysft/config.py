@@ -54,7 +54,8 @@ class ModelConfig:
     """transformers' attention kernel: one of ATTN_IMPLEMENTATIONS ("sdpa", "eager", "flex_attention",
     "flash_attention_2" if installed, or "varlen": raysft's padding-free attention for data.packing, flash varlen
     from torch on CUDA in bf16/fp16, per-sample SDPA elsewhere) or a name registered with transformers'
-    AttentionInterface."""
+    AttentionInterface. One that would not attend as the model does is refused: varlen with the model's
+    sliding_window shorter than data.max_seq_len, varlen or sdpa with its attn_logit_softcapping."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (raysft.lora); needs `pip install 'raysft[lora]'`."""
 
@@ -136,6 +137,13 @@ class TrainLoopConfig:
     eval_every_n_steps: int = 0
     """With validation data (data.eval_paths or data.eval_fraction): the eval loss every N steps and at every
     checkpoint; 0: at every checkpoint only."""
+    max_skipped_steps: int = 10
+    """End the run with TrainingDivergedError, naming the step and what was wrong, after this many skipped steps in
+    a row (a step is skipped on every rank, without changing weights, optimizer state or LR schedule, when its loss
+    or gradient norm is NaN or inf on any rank, on an fp16 overflow, or on a loss spike); 0: never stop."""
+    loss_spike_factor: float = 0.0
+    """Skip a step whose loss exceeds this factor times the median loss of the last 32 applied steps (from the 8th
+    applied step on; raysft.step_guard); 0: off."""
 
 
 # model.attn_implementation: transformers' built-in kernels; anything registered with transformers'

@@ -66,6 +66,10 @@ def validate(cfg: TrainConfig) -> None:
              f"must be > 0 (the largest gradient norm kept; 0 would stop learning), got {t.grad_clip}")
     _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
              f"must be two values in [0, 1), got {t.betas}")
+    _require(t.max_skipped_steps >= 0, "train.max_skipped_steps",
+             f"must be >= 0 (0: never stop), got {t.max_skipped_steps}")
+    _require(t.loss_spike_factor == 0 or t.loss_spike_factor > 1, "train.loss_spike_factor",
+             f"must be 0 (off) or > 1 (a multiple of the median loss), got {t.loss_spike_factor}")
     _require(t.log_every_n_steps > 0, "train.log_every_n_steps", f"must be > 0, got {t.log_every_n_steps}")
     _require(t.report_every_n_steps >= 0, "train.report_every_n_steps", f"must be >= 0, got {t.report_every_n_steps}")
     _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")

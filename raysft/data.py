@@ -203,6 +203,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         "on_bad_record": cfg.on_bad_record,
         "train_on": cfg.train_on,
         **({"eval_split": [cfg.eval_fraction, split]} if cfg.eval_fraction else {}),
+        **({"stop_after_last_turn": stop} if (stop := appended_stop(tokenizer)) else {}),
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = store_root / fingerprint
@@ -241,13 +242,21 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     return StoreInfo(store, counts["samples"], reused=False, built_with="ray" if on_ray else "local")
 
 
+def appended_stop(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The end-of-turn token raysft supervises after a last assistant turn that the template leaves open."""
+    if marks_generation(tokenizer) or not tokenizer.chat_template:
+        return None
+    profile = template_profile(tokenizer)
+    return profile.closes_turn if profile.open_last_turn else None
+
+
 def labelling(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> dict:
     """How the store's labels were found, for the manifest: a reader can tell what was supervised and why."""
     if marks_generation(tokenizer):
         return {"method": "generation_blocks", "train_on": cfg.train_on}
     profile = template_profile(tokenizer)
     return {"method": "rendered_spans", "train_on": cfg.train_on, "end_of_turn": sorted(profile.end_of_turn),
-            "tool_calls": profile.call_prefix is not None,
+            "tool_calls": profile.call_prefix is not None, "stop_after_last_turn": appended_stop(tokenizer),
             "rewritten_turns": "assistant turns whose text the template renders otherwise (earlier turns' reasoning "
                                "dropped, say) are labelled as rendered and counted in counts.rewritten_turns"}
 

@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from transformers import BatchEncoding, PreTrainedTokenizerBase
@@ -69,6 +69,11 @@ class TemplateProfile:
     """The content a tool-call-only message must carry to render ("" or None, templates differ)."""
     arguments_as_text: bool = False
     """Whether the template wants a call's arguments as a JSON string instead of an object."""
+    closes_turn: str | None = None
+    """The end-of-turn token the template writes after an assistant turn that another message follows."""
+    open_last_turn: bool = False
+    """Whether the template writes no end-of-turn token after a conversation's last assistant turn (vLLM's example
+    ChatML writes `<|im_end|>` only between messages): raysft then supervises `closes_turn` there itself."""
 
 
 def template_name(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -213,7 +218,23 @@ def rendered_spans(tokenizer: PreTrainedTokenizerBase,
     for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
         if start < end:
             raise BadRecord("template_error", f"{name} renders the assistant turns out of order")
+    if spans and messages[-1]["role"] == "assistant":
+        text, spans[-1] = _close_last_turn(text, spans[-1], profile, name)
     return text, spans, rewritten
+
+
+def _close_last_turn(text: str, span: tuple[int, int], profile: TemplateProfile,
+                     name: str) -> tuple[str, tuple[int, int]]:
+    """The model must learn to stop after its last answer too: a template that ends the conversation without an
+    end-of-turn token gets the one it writes between turns, supervised, right after the answer (what a reply at
+    inference ends with); one that writes none at all is refused."""
+    start, end = span
+    if any(text.startswith(token, end - len(token)) for token in profile.end_of_turn):
+        return text, span
+    if profile.closes_turn is None:
+        raise BadRecord("template_error", f"{name} writes no end-of-turn token after an assistant turn, so the model "
+                        "would never learn to stop its reply: end each assistant turn with one (eos_token, say)")
+    return text[:end] + profile.closes_turn + text[end:], (start, end + len(profile.closes_turn))
 
 
 def _kept_tail(before: str, core: str) -> str:
@@ -293,8 +314,8 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> TemplateProfile:
         text, places = strip_marks(_render(tokenizer, probe))
     except Exception:  # noqa: BLE001 - a template that refuses even this has no turns to learn from
         eos = tokenizer.eos_token
-        return TemplateProfile(frozenset([eos] if eos else []), special, None)
-    end_of_turn = set()
+        return TemplateProfile(frozenset([eos] if eos else []), special, None, closes_turn=eos or None)
+    end_of_turn, closes_turn, open_last_turn = set(), None, True
     for message, next_user in ((1, 2), (3, None)):
         end = places[("E", message, 0)][0]
         found = special.search(text, end)
@@ -304,13 +325,17 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> TemplateProfile:
         if next_user is None:  # a last turn: only a token already seen closing a turn, or EOS
             if token in end_of_turn or token == tokenizer.eos_token:
                 end_of_turn.add(token)
+                open_last_turn = False
             continue
         # the special tokens between this turn and the next user text: the last of them opens the user's turn
         between = special.findall(text, end, places[("U", next_user, 0)][0])
         if token == tokenizer.eos_token or between[-1] != token:
             end_of_turn.add(token)
+            closes_turn = token
     header = text[places[("V", 0, 0)][0] : places[("S", 1, 0)][0]]
-    return _probe_tool_calls(tokenizer, TemplateProfile(frozenset(end_of_turn), special, None), user[0], header)
+    profile = TemplateProfile(frozenset(end_of_turn), special, None, closes_turn=closes_turn,
+                              open_last_turn=open_last_turn)
+    return _probe_tool_calls(tokenizer, profile, user[0], header)
 
 
 def _probe_tool_calls(tokenizer: PreTrainedTokenizerBase, profile: TemplateProfile, user: dict,
@@ -335,5 +360,5 @@ def _probe_tool_calls(tokenizer: PreTrainedTokenizerBase, profile: TemplateProfi
                 continue
             written = text[places[("V", 0, 0)][0] : places[("N", 1, 0)][0]]
             prefix = written[len(os.path.commonprefix([header, written])) :]
-            return TemplateProfile(profile.end_of_turn, profile.special, prefix, content, as_text)
+            return replace(profile, call_prefix=prefix, call_content=content, arguments_as_text=as_text)
     return profile

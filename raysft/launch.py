@@ -30,6 +30,7 @@ from ray.train.v2.api.report_config import CheckpointUploadMode
 from raysft.checkpoint import (
     CheckpointSaveError,
     DirectorySink,
+    NonFiniteStateError,
     ScratchSink,
     Sink,
     checkpoint_name,
@@ -42,6 +43,7 @@ from raysft.config import ScalingConfig as RaysftScaling
 from raysft.lease import RunLease
 from raysft.local_ray import connect
 from raysft.resume import Stores, prepare_launch
+from raysft.step_guard import TrainingDivergedError
 from raysft.storage import location, use_filesystem
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
@@ -49,8 +51,8 @@ from raysft.trainer import Trainer, WorkerContext, resume_trainer
 START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
 # Raised on every rank at the same point and certain to happen again after a restart: the workers end the run
 # cleanly, rank 0 leaving the error in this file for the driver to raise, instead of Ray retrying it
-# scaling.max_failures times.
-NOT_RETRIED = (ConfigError, CheckpointSaveError)
+# scaling.max_failures times. (A restart would resume from the last checkpoint into the same divergence.)
+NOT_RETRIED = (ConfigError, CheckpointSaveError, NonFiniteStateError, TrainingDivergedError)
 FATAL_ERROR_FILE = "raysft_error.json"
 EVAL_SCORE = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by
 # Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off

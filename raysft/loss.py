@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig
 
+from raysft.config import ConfigError
 from raysft.data import IGNORE_INDEX
 
 METHOD = "chunked_loss_sum"
@@ -41,16 +43,23 @@ def full_logits_loss_sum(model: nn.Module, batch: dict, labels: torch.Tensor) ->
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def check_chunked_loss(config: PretrainedConfig) -> None:
+    """ConfigError for a model whose logits are more than its LM head's output in a way the chunked loss does not
+    repeat (Cohere's logit_scale); final_logit_softcapping (Gemma-2) it applies as the model does."""
+    if getattr(config.get_text_config(), "logit_scale", None):
+        raise ConfigError(f"config key 'train.loss_chunk_tokens': the model's config sets logit_scale="
+                          f"{config.get_text_config().logit_scale}, which the chunked loss does not apply: set "
+                          "train.loss_chunk_tokens: 0 to take the loss from the model's own logits")
+
+
 def install_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
     """Give the (FSDP-wrapped) causal LM a `chunked_loss_sum(**batch)` method that runs as one of its forwards:
     FSDP gathers the root's parameters (embeddings, final norm, LM head) around it like around `forward`, so the
     LM head may be used outside `forward` without reading a resharded weight."""
-    config = model.config
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        raise ValueError(f"{type(model).__name__} transforms its logits after the LM head; set "
-                         "train.loss_chunk_tokens: 0 to take the loss from the model's own logits")
+    check_chunked_loss(model.config)
     setattr(model, METHOD, types.MethodType(_chunked_loss_sum, model))
     model.loss_chunk_tokens = chunk_tokens
+    model.loss_softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     register_fsdp_forward_method(model, METHOD)  # a no-op on a model that is not FSDP-wrapped
 
 
@@ -64,13 +73,17 @@ def _chunked_loss_sum(self: nn.Module, loss_positions: torch.Tensor, loss_target
     # so that FSDP reduces gradients on every rank alike
     for start in range(0, max(1, len(loss_targets)), chunk):
         part = checkpoint(_chunk_loss_sum, head, hidden[start : start + chunk], loss_targets[start : start + chunk],
-                          use_reentrant=False)
+                          self.loss_softcap, use_reentrant=False)
         total = part if total is None else total + part
     return total
 
 
-def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    softcap: float | None) -> torch.Tensor:
+    logits = head(hidden)
+    if softcap:  # Gemma-2's final_logit_softcapping, in the compute dtype as the model's own forward does
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
 def micro_batch_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -184,6 +184,8 @@ def progress_line(step: int, max_steps: int, metrics: dict, eta_s: float | None)
     parts.append(f"peak mem {metrics['peak_mem_gb']:.2f} GiB")
     if metrics.get("eval_loss") is not None:
         parts.append(f"eval_loss {metrics['eval_loss']:.4f} ({metrics['eval_s']:.1f}s)")
+    if metrics.get("skipped_steps"):
+        parts.append(f"skipped {metrics['skipped_steps']}")
     if "loss_scale" in metrics:
         parts.append(f"loss scale {metrics['loss_scale']:g}")
     if eta_s is not None:

@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
+from raysft.attention import check_attention
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
+from raysft.loss import check_chunked_loss
 from raysft.model import load_model_config
 from raysft.storage import Location, location, native
 from raysft.tokenizer import load_tokenizer
@@ -62,6 +64,9 @@ def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None
     """The model's directory (its files checked, raysft.model_files) or config, its vocabulary against the tokenizer
     and the LoRA targets: errors that would otherwise meet every worker and be retried scaling.max_failures times."""
     hf_config = load_model_config(config.model, tokenizer)
+    check_attention(hf_config, config.model.attn_implementation, config.data.max_seq_len)
+    if config.train.loss_chunk_tokens:
+        check_chunked_loss(hf_config)
     if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
         from raysft.lora import add_adapters
         from raysft.model import build_meta_model

@@ -49,6 +49,7 @@ from raysft.model import (
 )
 from raysft.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
 from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize
+from raysft.step_guard import StepGuard
 from raysft.tokenizer import load_tokenizer
 
 
@@ -128,8 +129,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.scaler = build_loss_scaler(cfg.parallel, ctx.device)
+        self.guard = StepGuard(t)
         self.objs = TrainingObjects(self.model, self.optimizer, self.scheduler, self.scaler, self.hf_config,
-                                    self.tokenizer, self.aliases, lora=record(cfg))
+                                    self.tokenizer, self.aliases, self.guard, lora=record(cfg))
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank)
@@ -157,6 +159,11 @@ class Trainer:
             step_start = time.perf_counter()
             self.train_step(reduce_metrics=False)
             step = self.state.step
+            if self.guard.diverged:  # every rank at once: log what led here, commit a save still being written
+                self.reduce_metrics()
+                self.checkpointer.finish(step)
+                self.log.close()
+                raise self.guard.diverged
             preempted = self._preemption_save_due(time.perf_counter() - step_start)
             scheduled = self.checkpointer.due(step, stop)
             save = scheduled or preempted
@@ -182,8 +189,9 @@ class Trainer:
         return {**metrics, "step": self.state.step}
 
     def train_step(self, reduce_metrics: bool = True) -> dict:
-        """One optimizer step over one global batch: forward/backward per micro-batch, clip, step. Nothing in it
-        waits for the device; its metrics are kept until `reduce_metrics` (now, by default)."""
+        """One optimizer step over one global batch: forward/backward per micro-batch, clip, step unless the step
+        guard skips it on every rank (raysft.step_guard: its decision is the step's one wait for the device); the
+        metrics are kept until `reduce_metrics` (now, by default)."""
         t, ctx = self.cfg.train, self.ctx
         start = time.time()
         global_batch = self.sampler.next_batch()
@@ -208,18 +216,25 @@ class Trainer:
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         lr = self.scheduler.get_last_lr()[0]
-        self.scaler.step(self.optimizer)  # skipped when fp16 gradients overflowed on any rank
-        self.scaler.update()
-        self.scheduler.step()
+        skip = self.guard.check(self.state.step + 1, loss_sum, loss_tokens, grad_norm)  # collective
+        if skip is None:
+            self.scaler.step(self.optimizer)  # (fp16 overflows are non-finite gradient norms: skipped above)
+            self.scheduler.step()
+        self.scaler.update()  # fp16: an overflow halves the loss scale
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
+        self.state.skipped_steps += skip is not None
 
         c = self.hf_config
         host = {"step": self.state.step, "loss_tokens": loss_tokens, "lr": lr, "epoch": self.state.cursor.epoch,
                 "tokens": sum(lengths), "computed_tokens": computed, "peak_mem_gb": peak_memory_gb(ctx.device),
                 "flops": training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)}
-        if loss_scale is not None:  # fp16: the scaler has read its overflow flag on the host already
-            host.update(loss_scale=loss_scale, skipped=self.scaler.get_scale() < loss_scale)
+        host.update(skipped=skip is not None, skipped_steps=self.state.skipped_steps)
+        if loss_scale is not None:
+            host["loss_scale"] = loss_scale
+        if skip:
+            host["skip_reason"] = skip
+            self.log.event("skipped_step", step=self.state.step, reason=skip)
         self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host)
         return self.reduce_metrics() if reduce_metrics else {}
 

@@ -170,8 +170,37 @@ def test_reasoning_dropped_from_earlier_turns_is_labelled_as_rendered():
 def test_templates_that_broke_prefix_labelling(kind):
     tok = tokenizer_with(OWN_TEMPLATES[kind], **CHATML)
     runs, _ = supervised(tok, {"messages": [SYSTEM, *TURNS]})
-    last_eot = "" if kind == "end_of_turn_only_between" else "<|im_end|>"  # nothing follows the last answer
-    assert runs == ["5.<|im_end|>", "The capital of Peru is Lima." + last_eot]
+    # end_of_turn_only_between writes nothing after the last answer: raysft supervises its <|im_end|> there
+    assert runs == ["5.<|im_end|>", "The capital of Peru is Lima.<|im_end|>"]
+
+
+# vLLM's example ChatML template, verbatim (vllm-project/vllm, examples/template_chatml.jinja, Apache-2.0):
+# `<|im_end|>` only when another message follows or a generation prompt is asked for.
+VLLM_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']}}"
+               "{% if (loop.last and add_generation_prompt) or not loop.last %}{{ '<|im_end|>' + '\\n'}}{% endif %}"
+               "{% endfor %}{% if add_generation_prompt and messages[-1]['role'] != 'assistant' %}"
+               "{{ '<|im_start|>assistant\\n' }}{% endif %}\n")
+
+
+def test_a_template_that_leaves_the_last_answer_open_gets_its_end_of_turn_supervised():
+    """Single-turn data on vLLM's ChatML: the rendering ends with the answer, no <|im_end|>; a model tuned on it
+    would never learn to stop. The stop it writes between turns is supervised after the last answer, which is how
+    a reply ends at inference (the generation prompt closes the user turn with the same token)."""
+    tok = tokenizer_with(VLLM_CHATML, **CHATML)
+    single = [{"role": "user", "content": "Capital of Peru?"}, {"role": "assistant", "content": "Lima."}]
+    assert tok.apply_chat_template(single, tokenize=False).endswith("Lima.")
+    assert supervised(tok, {"messages": single})[0] == ["Lima.<|im_end|>"]
+    assert supervised(tok, {"messages": [SYSTEM, *TURNS]})[0] == ["5.<|im_end|>",
+                                                                  "The capital of Peru is Lima.<|im_end|>"]
+    empty = [single[0], {"role": "assistant", "content": ""}]  # nothing to say is still a reply that stops
+    assert supervised(tok, {"messages": empty})[0] == ["<|im_end|>"]
+
+
+def test_a_template_that_never_ends_an_answer_is_refused_by_name():
+    plain = "{%- for m in messages -%}{{ m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor -%}"
+    tok = tokenizer_with(plain, source="plain-template", **CHATML)
+    with pytest.raises(BadRecord, match="plain-template writes no end-of-turn token after an assistant turn"):
+        supervised(tok, {"messages": TURNS})
 
 
 def test_short_answer_keeps_its_first_tokens_when_the_generation_prompt_opens_more():
@@ -231,8 +260,6 @@ def test_random_conversations_label_each_answer_as_rendered(name):
         except BadRecord as e:  # a refusal must name the template; Qwen3/DeepSeek rewrite "<think>" answers
             assert name in str(e)
             continue
-        if name == "end_of_turn_only_between" and not answers[-1].strip():
-            answers.pop()  # an empty last answer: no text and no end-of-turn token, nothing to supervise
         for run, answer in zip(runs, answers, strict=True):
             body = run.removesuffix(eot)
             if not rewritten:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from raysft.dataloader import collate
 from raysft.loss import full_logits_loss_sum, install_chunked_loss, loss_inputs, micro_batch_loss_sum
@@ -57,6 +57,21 @@ def test_chunked_loss_equals_the_full_logits_loss_in_value_and_gradients(packing
         torch.testing.assert_close(loss, ref_loss)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_chunked_loss_applies_gemma2s_final_logit_softcapping_as_the_model_does():
+    """Gemma-2 soft-caps its logits after the LM head (tanh(x / cap) · cap); the chunked loss must do the same, not
+    train on the uncapped logits. A cap of 1 is far below these logits, so leaving it out changes the loss."""
+    torch.manual_seed(0)
+    config = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=128, final_logit_softcapping=1.0)
+    model = Gemma2ForCausalLM._from_config(config, attn_implementation="eager")
+    batch = collate(Samples, np.arange(4), 0)
+    ref_loss, ref_grads = losses_and_grads(model, batch, 0)
+    loss, grads = losses_and_grads(model, batch, 3)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_micro_batch_without_loss_tokens_still_backpropagates_through_the_model():

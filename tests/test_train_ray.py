@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
+from safetensors.torch import load_file
 
 import raysft
 from raysft.checkpoint.retention import select_checkpoint
@@ -14,6 +15,7 @@ from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.launch import CannotPlaceWorkers
 from raysft.metrics import read_metrics
+from raysft.step_guard import TrainingDivergedError
 from raysft.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -75,6 +77,22 @@ def test_ray_gets_the_eval_loss_with_each_checkpoint_and_keeps_the_best_and_the_
     assert Path(ray_best.path).name == f"checkpoint_{best:08d}" and score["eval_loss"] == evals[best]
     assert Path(result.checkpoint.path).name == "checkpoint_00000006"
     assert select_checkpoint(cfg.run_dir, "best").name == f"checkpoint_{best:08d}"
+
+
+def test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint(tmp_path):
+    """The issue's train.lr=1e20 under Ray: the workers' TrainingDivergedError reaches the driver by name, Ray does
+    not restart the run into it (scaling.max_failures: 3), and every checkpoint Ray kept holds finite weights."""
+    cfg = tiny_config(tmp_path, **{"train.lr": 1e20, "train.warmup_steps": 0, "train.max_steps": 12,
+                                   "checkpoint.every_n_steps": 2, "checkpoint.mode": "full",
+                                   "train.max_skipped_steps": 3})
+    with pytest.raises(TrainingDivergedError, match=r"step \d+: 3 steps in a row skipped .* non-finite loss"):
+        raysft.train(cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [r["event"] for r in records if r.get("event") in ("start", "resume")] == ["start"]
+    assert checkpoint_steps(cfg.run_dir)
+    for step in checkpoint_steps(cfg.run_dir):
+        weights = load_file(cfg.run_dir / f"checkpoint_{step:08d}" / "model.safetensors")
+        assert all(torch.isfinite(w).all() for w in weights.values()), step
 
 
 def test_a_cluster_that_cannot_place_the_workers_is_an_error(tmp_path):

@@ -1,7 +1,8 @@
 """Checkpoints of the whole training state, and the one object that takes them (`Checkpointer`).
 
 Modules, by role:
-  checkpointer  cadence, layout choice, one save at a time in the background, commit through a Sink, load
+  checkpointer  cadence, layout choice, one save at a time in the background, commit through a Sink, load; no
+                save of NaN or inf
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
   full          rank 0 gathers and writes an HF model directory (model.safetensors) plus the optimizer state
   sharded       every rank writes its own DCP shards; loads reshard to any topology
@@ -37,6 +38,7 @@ from raysft.checkpoint.state import (
     STATE_FILE,
     CheckpointError,
     CheckpointSaveError,
+    NonFiniteStateError,
     TrainingObjects,
     TrainState,
     read_trainer_state,
@@ -44,8 +46,8 @@ from raysft.checkpoint.state import (
 
 __all__ = [
     "CHECKPOINT_PREFIX", "MANIFEST_FILE", "MODEL_FILE", "STAGING_DIR", "STATE_FILE", "TRAINING_FILES",
-    "CheckpointError", "CheckpointSaveError", "Checkpointer", "DirectorySink", "ScratchSink", "Sink", "TrainState",
-    "TrainingObjects", "UploadSink", "auto_mode", "checkpoint_dirs", "checkpoint_name", "choose_mode",
-    "clear_scratch", "existing_checkpoint_names", "find_resume_dir", "incomplete_reason", "is_payload", "load",
-    "local_copy", "read_index", "read_manifest", "read_trainer_state", "save", "scratch_root", "start_save",
+    "CheckpointError", "CheckpointSaveError", "Checkpointer", "DirectorySink", "NonFiniteStateError", "ScratchSink",
+    "Sink", "TrainState", "TrainingObjects", "UploadSink", "auto_mode", "checkpoint_dirs", "checkpoint_name",
+    "choose_mode", "clear_scratch", "existing_checkpoint_names", "find_resume_dir", "incomplete_reason", "is_payload",
+    "load", "local_copy", "read_index", "read_manifest", "read_trainer_state", "save", "scratch_root", "start_save",
 ]

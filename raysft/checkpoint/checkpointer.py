@@ -9,12 +9,15 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.layouts import PendingSave, load, start_save
 from raysft.checkpoint.sinks import Sink
-from raysft.checkpoint.state import CheckpointSaveError, TrainingObjects, TrainState
-from raysft.collectives import all_ranks, from_rank0
+from raysft.checkpoint.state import CheckpointSaveError, NonFiniteStateError, TrainingObjects, TrainState
+from raysft.collectives import all_ranks, count_ranks, from_rank0
 from raysft.config import CheckpointConfig
 from raysft.storage import Location
 
@@ -46,6 +49,36 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def first_non_finite(objs: TrainingObjects) -> str | None:
+    """The name of the first of this rank's parameter shards and optimizer-state tensors that holds a NaN or inf,
+    if any: one pass over the local tensors and one read of their flags, no communication."""
+    tensors = list(objs.model.named_parameters())
+    names = {id(p): name for name, p in tensors}
+    for param, state in objs.optimizer.state.items():
+        tensors += [(f"optimizer {key} of {names.get(id(param), '?')}", v) for key, v in state.items()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not tensors:
+        return None
+    local = [(t.to_local() if isinstance(t, DTensor) else t).detach() for _, t in tensors]
+    flags = torch.stack([torch.isfinite(t).all().to(local[0].device) for t in local])
+    if bool(flags.all()):
+        return None
+    return tensors[int((~flags).nonzero()[0, 0])][0]
+
+
+def check_finite(objs: TrainingObjects, step: int) -> None:
+    """Collective: raise NonFiniteStateError on every rank if any rank's weights or optimizer state hold a NaN or
+    inf, naming the first such tensor on each of those ranks."""
+    bad = first_non_finite(objs)
+    if not count_ranks(bad is not None):
+        return
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, bad)
+    where = "; ".join(f"rank {rank}: {name}" for rank, name in enumerate(found) if name)
+    raise NonFiniteStateError(f"step {step}: not saving a checkpoint of non-finite values ({where}). The earlier "
+                              "checkpoints are kept; resume from one with a lower train.lr")
+
+
 class Checkpointer:
     """Saves the training state at the configured cadence into a Sink, one save at a time, in the background with
     checkpoint.async; loads it back. Collective where its methods say so."""
@@ -65,6 +98,7 @@ class Checkpointer:
         """Collective: snapshot the state and write it (in the background with checkpoint.async); `finish` or a
         later `poll` commits it."""
         self.finish()  # one save at a time: the previous one must be complete
+        check_finite(self.objs, state.step)  # what is snapshotted now is what every layout writes
         start = time.perf_counter()
         staged = self.sink.stage(state.step)
         try:

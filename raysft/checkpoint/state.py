@@ -1,5 +1,5 @@
 """What a checkpoint holds besides the weights: the training objects it saves, the trainer state file (step, data
-cursor, LR schedule, loss scale, world size) and every rank's RNG, and the errors a checkpoint can raise."""
+cursor, LR schedule, loss scale, step guard, world size) and every rank's RNG, and the errors a checkpoint can raise."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.collectives import default_device
 from raysft.dataloader import DataCursor
+from raysft.step_guard import StepGuard, state_problem
 from raysft.storage import Location, location
 
 FORMAT_VERSION = 1
@@ -33,11 +34,17 @@ class CheckpointSaveError(CheckpointError):
     checkpoint is not complete and never reported, so the previous one stays the latest."""
 
 
+class NonFiniteStateError(CheckpointSaveError):
+    """The weights or optimizer state to be saved hold NaN or inf: nothing is written, and the checkpoints before
+    stay the latest (retention never prunes them for it)."""
+
+
 @dataclass
 class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
     eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
+    skipped_steps: int = 0  # steps not applied (raysft.step_guard), over the whole run
 
 
 @dataclass
@@ -51,6 +58,7 @@ class TrainingObjects:
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     aliases: dict[str, str]  # tied parameters: {alias: canonical name}
+    guard: StepGuard  # its recent losses and skips in a row decide the steps after a resume
     lora: dict | None = None  # LoRA (raysft.lora.record): the checkpoint holds only the adapters
 
 
@@ -69,6 +77,8 @@ def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Trai
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
         "eval_loss": state.eval_loss,
+        "skipped_steps": state.skipped_steps,
+        "step_guard": objs.guard.state_dict(),
         **({"lora": objs.lora} if objs.lora else {}),
     }, indent=1))
 
@@ -88,6 +98,8 @@ def read_trainer_state(ckpt_dir: Path | Location) -> dict:
     if wrong or state["mode"] not in ("full", "sharded"):
         raise CheckpointError(f"{path}: not a raysft trainer state: {wrong[0] if wrong else 'mode'} is missing or "
                               f"of the wrong type ({state.get(wrong[0] if wrong else 'mode')!r})")
+    if "step_guard" in state and (problem := state_problem(state["step_guard"])):  # absent: a fresh guard
+        raise CheckpointError(f"{path}: step_guard: {problem}")
     return state
 
 
@@ -96,7 +108,10 @@ def restore_trainer_state(state: dict, objs: TrainingObjects) -> TrainState:
     objs.scheduler.load_state_dict(state["scheduler"])
     if objs.scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16: fresh
         objs.scaler.load_state_dict(state["loss_scaler"])
-    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]))
+    if "step_guard" in state:
+        objs.guard.load_state_dict(state["step_guard"])
+    return TrainState(step=state["step"], cursor=DataCursor.from_state_dict(state["cursor"]),
+                      skipped_steps=skipped if isinstance(skipped := state.get("skipped_steps"), int) else 0)
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
