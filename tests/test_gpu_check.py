@@ -99,3 +99,27 @@ def test_steps_without_the_time_they_need_are_skipped_not_started(tmp_path, caps
     assert [(s["name"], s["status"]) for s in summary["steps"]] == [(name, "skipped") for name in STEPS]
     assert all("left of the budget" in s["reason"] for s in summary["steps"])
     assert not list((tmp_path / "work").glob("*.log"))
+
+
+NO_RAY = """
+import sys
+
+class NoRay:  # the GPU machine: Ray is not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, NoRay())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+"""
+
+
+def test_the_gpu_tests_collect_without_ray():
+    tests, excluded = check.gpu_tests()
+    assert {"tests/test_gpu.py", "tests/test_loss.py", "tests/test_attention.py"} <= set(tests)
+    assert "tests/test_gpu_check.py" not in tests and not excluded
+    proc = subprocess.run([sys.executable, "-c", NO_RAY, *tests], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tests/test_gpu.py::test_deterministic_kernels_repeat_a_step_bit_for_bit" in proc.stdout

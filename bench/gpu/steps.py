@@ -88,7 +88,7 @@ def prepare(plan: dict, work: Path, out: Results) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)
-        model.to(torch.bfloat16 if plan["gpu"] else torch.float32).save_pretrained(s.work / "model")
+        model.to(device="cpu", dtype=torch.bfloat16 if plan["gpu"] else torch.float32).save_pretrained(s.work / "model")
         del model
         lengths = np.array([len(x) for x in read_store(s.store, columns=["input_ids"]).column("input_ids").to_pylist()])
         out[key] = {"params": s.params, "samples": len(lengths), "mean_tokens": float(lengths.mean()),
@@ -155,7 +155,9 @@ def throughput(plan: dict, work: Path, out: Results) -> None:
     variants = {}
     for variant in plan["variants"]:
         start = time.perf_counter()
-        record = {"sets": VARIANTS[variant]}
+        record = {"sets": VARIANTS[variant], "status": "running"}  # what a stop at the time limit leaves
+        variants[variant] = record
+        out["variants"] = variants
         trainer = None
         try:
             sets = [*common_sets(plan), f"train.micro_batch_size={plan['micro_batch']}",
@@ -180,7 +182,6 @@ def throughput(plan: dict, work: Path, out: Results) -> None:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        variants[variant] = record
         out["variants"] = variants
         print(f"check: throughput {variant}: {record['status']} "
               f"{record.get('tokens_per_s', 0):.0f} tokens/s in {record['seconds']:.0f} s", flush=True)
