@@ -123,3 +123,14 @@ def test_the_gpu_tests_collect_without_ray():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tests/test_gpu.py::test_deterministic_kernels_repeat_a_step_bit_for_bit" in proc.stdout
+
+
+def test_the_table_shows_a_recipe_cut_off_at_the_time_limit_without_numbers():
+    ok = {"status": "ok", "tokens_per_s": 10.0, "mfu": 0.5, "computed_per_real_token": 1.0, "peak_mem_gib": 2.0,
+          "micro_batch_tokens": 4096}
+    steps = [{"name": "throughput", "status": "timeout", "seconds": 240,
+              "result": {"variants": {"varlen": ok, "compiled": {"status": "running"}}}}]
+    text = check.table({"steps": steps, "targets": check.targets({s["name"]: s for s in steps})})
+    assert "| varlen | ok | 10 | 50.0% | 1.00 | 2.00 | 4096 |" in text
+    assert "| compiled | running | - | - | - | - | None |" in text
+    assert "mfu 0.5 (target 0.4): True" in text and "resume_bit_identical None (target True): None" in text

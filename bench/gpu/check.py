@@ -200,12 +200,16 @@ def table(summary: dict) -> str:
                   "|---|---|---:|---:|---:|---:|---:|"]
         for name, v in variants.items():
             mfu = f"{100 * v['mfu']:.1f}%" if v.get("mfu") else "-"
-            lines.append(f"| {name} | {v['status']} | {v.get('tokens_per_s', 0):.0f} | {mfu} "
-                         f"| {v.get('computed_per_real_token', 0):.2f} | {v.get('peak_mem_gib', 0):.2f} "
-                         f"| {v.get('micro_batch_tokens')} |")
+            lines.append(f"| {name} | {v['status']} | {number(v.get('tokens_per_s'), '.0f')} | {mfu} "
+                         f"| {number(v.get('computed_per_real_token'), '.2f')} "
+                         f"| {number(v.get('peak_mem_gib'), '.2f')} | {v.get('micro_batch_tokens')} |")
     lines += ["", "targets: " + ", ".join(f"{k} {v['value']!r} (target {v['target']}): {v['met']}"
                                           for k, v in summary["targets"].items())]
     return "\n".join(lines)
+
+
+def number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def key_results(record: dict) -> str:
@@ -222,7 +226,7 @@ def key_results(record: dict) -> str:
     if record["name"] == "determinism":
         return f"resume bit-identical {r.get('resume_bit_identical')}, first difference {r.get('first_difference')}"
     if record["name"] == "checkpoint":
-        return ", ".join(f"{k}: async blocks {v.get('async_blocking_over_sync_save'):.3f} of a sync save"
+        return ", ".join(f"{k}: async blocks {number(v['async_blocking_over_sync_save'], '.3f')} of a sync save"
                          for k, v in r.items() if isinstance(v, dict) and "async_blocking_over_sync_save" in v)
     return ""
 

@@ -310,7 +310,7 @@ STEPS = {"prepare": prepare, "throughput": throughput, "profile": profile,
          "determinism": determinism, "checkpoint": checkpoint}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=sorted(STEPS))
     parser.add_argument("work", type=Path)
@@ -319,8 +319,11 @@ def main() -> None:
     out = Results(args.work / f"{args.step}.json")
     STEPS[args.step](plan, args.work, out)
     out["ray_imported"] = "ray" in sys.modules  # the GPU machine has no Ray: the torchrun path must not need it
+    failed = [v for v, r in out.data.get("variants", {}).items() if r["status"] != "ok"]
+    if failed:  # the step shows as failed in the summary; each recipe's error is in its record
+        out["failed_variants"] = failed
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
-    exit_process(0)  # not through interpreter finalization, as every torchrun worker of raysft
+    exit_process(main())  # not through interpreter finalization, as every torchrun worker of raysft
