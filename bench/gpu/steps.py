@@ -195,7 +195,7 @@ def tune_budget(plan: dict, s: Setup, trainer) -> tuple[int, list[dict]]:
     for budget in token_budgets(plan, s):
         trainer.cfg.train.micro_batch_tokens = budget  # read afresh at every step (Trainer._micro_batches)
         try:
-            tried.append({"micro_batch_tokens": budget, **measure(trainer, plan["warmup"], plan["steps"])})
+            tried.append({"micro_batch_tokens": budget, **measure(trainer, plan["tune_warmup"], plan["tune_steps"])})
         except torch.OutOfMemoryError as e:
             tried.append({"micro_batch_tokens": budget, "error": f"OutOfMemoryError: {str(e)[:300]}"})
             break
