@@ -222,9 +222,16 @@ def key_results(record: dict) -> str:
     if record["name"] == "tests":
         return f"{r.get('tests')} tests, {r.get('failures')} failed, {r.get('errors')} errors, {r.get('skipped')} " \
                f"skipped {r.get('failed') or ''}"
+    if record["name"] == "prepare":
+        return ", ".join(f"{k}: {v['params'] / 1e6:.1f}M parameters" for k, v in r.items() if isinstance(v, dict)) + \
+            (f"; {r['model']['samples']} samples of {r['model']['mean_tokens']:.0f} tokens on average" if "model" in r
+             else "")
+    if record["name"] == "throughput":
+        return f"token budget {r.get('micro_batch_tokens')}; failed: {r.get('failed_variants', [])}"
     if record["name"] == "profile":
         s = r.get("summary", {})
-        return f"{r.get('variant')}: busy {s.get('busy_fraction')}, top {[t['name'] for t in s.get('top', [])[:3]]}"
+        return f"{r.get('variant')}: busy {number(s.get('busy_fraction'), '.3f')}, " \
+               f"top {[t['name'] for t in s.get('top', [])[:3]]}"
     if record["name"] == "determinism":
         return f"resume bit-identical {r.get('resume_bit_identical')}, first difference {r.get('first_difference')}"
     if record["name"] == "checkpoint":
