@@ -56,7 +56,7 @@ PLANS = {
             "warmup": 3, "steps": 8, "compile_warmup": 3, "tune_warmup": 2, "tune_steps": 5, "max_budgets": 4,
             "profile_steps": 3, "det_steps": 8, "saves": 2,
             "variants": ["varlen", "full-logits", "lora", "padded", "packed", "compiled"]},
-    "smoke": {"gpu": False, "mixed_precision": "fp32", "seq_len": 128, "global_batch": 8, "micro_batch": 2,
+    "smoke": {"gpu": False, "mixed_precision": "bf16", "seq_len": 128, "global_batch": 8, "micro_batch": 2,
               "model": {"hidden": 128, "layers": 2, "intermediate": 0, "vocab": 0},
               "small": {"hidden": 128, "layers": 2, "intermediate": 0, "vocab": 0},
               "warmup": 1, "steps": 1, "compile_warmup": 0, "tune_warmup": 1, "tune_steps": 1, "max_budgets": 2,

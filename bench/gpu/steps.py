@@ -80,15 +80,16 @@ def prepare(plan: dict, work: Path, out: Results) -> None:
     for key in ("model", "small"):
         start = time.perf_counter()
         s = setup(plan, key, work)
-        # seeded weights written once, in bf16 on GPUs: every launch then loads them (model.path) instead of each
-        # rank 0 initializing the model on the CPU (over a minute at the 1B shape)
+        # seeded weights written once, in bf16 with bf16 compute: every launch then loads them (model.path) instead
+        # of each rank 0 initializing the model on the CPU (over a minute at the 1B shape)
         torch.manual_seed(0)
         model = build_meta_model(s.model_config, "sdpa")
         materialize(model, device)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.02) if p.ndim > 1 else p.fill_(1.0)
-        model.to(device="cpu", dtype=torch.bfloat16 if plan["gpu"] else torch.float32).save_pretrained(s.work / "model")
+        dtype = torch.bfloat16 if plan["mixed_precision"] == "bf16" else torch.float32
+        model.to(device="cpu", dtype=dtype).save_pretrained(s.work / "model")
         del model
         lengths = np.array([len(x) for x in read_store(s.store, columns=["input_ids"]).column("input_ids").to_pylist()])
         out[key] = {"params": s.params, "samples": len(lengths), "mean_tokens": float(lengths.mean()),
