@@ -134,3 +134,20 @@ def test_the_table_shows_a_recipe_cut_off_at_the_time_limit_without_numbers():
     assert "| varlen | ok | 10 | 50.0% | 1.00 | 2.00 | 4096 |" in text
     assert "| compiled | running | - | - | - | - | None |" in text
     assert "mfu 0.5 (target 0.4): True" in text and "resume_bit_identical None (target True): None" in text
+
+
+def test_bench_results_record_versions_on_a_machine_without_ray(monkeypatch):
+    # bench/throughput.py writes environment() into every result file, on the GPU machine too, which has no Ray
+    sys.path.insert(0, str(REPO / "bench"))
+    import common
+
+    real = common.version
+
+    def version(name: str) -> str:
+        if name == "ray":
+            raise common.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(common, "version", version)
+    env = common.environment()
+    assert env["ray"] is None and env["torch"] and env["transformers"]
