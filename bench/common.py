@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 MiB = 2**20
@@ -32,9 +33,10 @@ def add_model_args(parser: argparse.ArgumentParser, workers: int) -> None:
 
 
 class Setup:
-    """A scratch directory holding the model config (hidden, layers from args) and the tokenized demo data."""
+    """A scratch directory holding the model config (hidden, layers from args) and the tokenized demo data; `work`
+    names the directory instead (bench/gpu/check.py's steps share one across processes)."""
 
-    def __init__(self, args: argparse.Namespace, name: str):
+    def __init__(self, args: argparse.Namespace, name: str, work: Path | None = None):
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -43,7 +45,8 @@ class Setup:
         from raysft.tokenizer import load_tokenizer
 
         self.args = args
-        self.work = Path(tempfile.mkdtemp(prefix=f"raysft-bench-{name}-"))
+        self.work = work or Path(tempfile.mkdtemp(prefix=f"raysft-bench-{name}-"))
+        self.work.mkdir(parents=True, exist_ok=True)
         model_dir = self.work / "model"
         paths = [p if p.startswith("builtin:") else str(Path(p).resolve()) for p in args.data.split(",")]
         self.common = [f"model.config={model_dir}", f"data.max_seq_len={args.seq_len}",
@@ -148,15 +151,22 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def installed(name: str) -> str | None:
+    """A package's version, None where it is not installed (the GPU machine has no Ray: runs there are torchrun's)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def environment() -> dict:
     """The machine and versions a result was measured with."""
     import platform
-    from importlib.metadata import version
 
     import torch
 
     env = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
-           **{name: version(name) for name in ("torch", "ray", "transformers")}}
+           **{name: installed(name) for name in ("torch", "ray", "transformers")}}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env

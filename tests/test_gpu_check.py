@@ -1,0 +1,153 @@
+"""bench/gpu/check.py, the device check a session with a GPU runs first, run for real on CPU at toy size (--smoke):
+every step in its own process, each recording its results, a failed step followed by the others all the same, and
+nothing on the torchrun path importing Ray (the GPU machine has none). No timings are asserted."""
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import check  # noqa: E402
+
+STEPS = ["environment", "tests", "prepare", "throughput", "profile", "determinism", "checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke run whose tests step fails (a test id that does not exist): the summary and the files under --out."""
+    tmp = tmp_path_factory.mktemp("gpu-check")
+    out = tmp / "out"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out", str(out),
+                           "--work", str(tmp / "work"), "--tests", "tests/test_gpu.py::test_that_does_not_exist"],
+                          cwd=tmp, capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    return summary, {s["name"]: s for s in summary["steps"]}, out
+
+
+def test_a_failed_step_is_recorded_and_every_later_step_still_runs(smoke):
+    summary, steps, _ = smoke
+    assert list(steps) == STEPS
+    assert steps["tests"]["status"] == "failed" and steps["tests"]["returncode"] != 0
+    assert "test_that_does_not_exist" in steps["tests"]["log_tail"]
+    assert all(steps[name]["status"] == "ok" for name in STEPS if name != "tests"), \
+        {name: s.get("log_tail") for name, s in steps.items() if name != "tests"}
+    assert all(s["seconds"] > 0 and s["timeout_s"] > 0 for s in steps.values())
+
+
+def test_every_step_records_what_the_issue_asks_for(smoke):
+    summary, steps, _ = smoke
+    env = steps["environment"]["result"]
+    assert env["packages"]["torch"] and env["safetensors_slice_reader"]["get_slice"] is True
+    assert "importable" in env["flash_varlen"] and "gpu" not in env  # CPU here
+
+    variants = steps["throughput"]["result"]["variants"]
+    assert list(variants) == check.PLANS["smoke"]["variants"]
+    for v in variants.values():
+        assert v["status"] == "ok" and v["tokens_per_s"] > 0 and v["peak_mem_gib"] > 0
+        assert v["computed_per_real_token"] >= 1
+    # padding-free recipes compute on real tokens only; the padded ones on some padding as well
+    assert variants["varlen"]["computed_per_real_token"] == variants["lora"]["computed_per_real_token"] == 1.0
+    assert variants["padded"]["computed_per_real_token"] > 1.0
+    # the token budget: each tried, the fastest kept, and the later varlen recipes trained with it
+    tried = variants["varlen"]["budgets"]
+    assert [b["micro_batch_tokens"] for b in tried] == [128, 256] and all(b["tokens_per_s"] > 0 for b in tried)
+    chosen = steps["throughput"]["result"]["micro_batch_tokens"]
+    assert chosen == max(tried, key=lambda b: b["tokens_per_s"])["micro_batch_tokens"]
+    assert variants["varlen"]["micro_batch_tokens"] == variants["lora"]["micro_batch_tokens"] == chosen
+    assert variants["full-logits"]["loss"] == pytest.approx(variants["padded"]["loss"], rel=1e-4)  # same training
+
+    profile = steps["profile"]["result"]
+    assert profile["variant"] == max(variants, key=lambda v: variants[v]["tokens_per_s"])
+    assert 0 < profile["summary"]["busy_fraction"] <= 1 and profile["summary"]["top"][0]["self_ms"] > 0
+
+    det = steps["determinism"]["result"]
+    assert det["resume_bit_identical"] is True and det["same_steps_twice"] is True
+    assert det["first_difference"] is None and det["same_final_checkpoint_files"] is True
+
+    for name in ("full", "lora"):
+        ckpt = steps["checkpoint"]["result"][name]
+        assert ckpt["loaded_step"] == ckpt["saved_step"] and ckpt["bytes"] > 0
+        assert sorted(r["async"] for r in ckpt["runs"]) == [False, True] and ckpt["async_blocking_over_sync_save"] > 0
+    assert steps["checkpoint"]["result"]["lora"]["bytes"] < steps["checkpoint"]["result"]["full"]["bytes"]
+
+    # the torchrun path: the GPU machine has no Ray
+    assert not any(steps[name]["result"]["ray_imported"] for name in ("prepare", *check.TRAINING))
+    assert set(summary["targets"]) == {"mfu", "peak_mem_gib", "resume_bit_identical", "async_blocking_over_sync_save"}
+
+
+def test_the_files_that_come_back_hold_every_log(smoke):
+    _, steps, out = smoke
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "profile-trace.json.gz", "summary.json",
+                                                     "summary.md"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {f"{name}.log" for name in STEPS} <= names and "tests.xml" in names
+    assert {f"{name}.json" for name in STEPS if name != "tests"} <= names
+    assert "| throughput | ok |" in (out / "summary.md").read_text()
+
+
+def test_steps_without_the_time_they_need_are_skipped_not_started(tmp_path, capsys):
+    # a budget smaller than every step's reserve: nothing starts, and the summary says why for each step
+    assert check.main(["--smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+                       "--budget-s", "1"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(s["name"], s["status"]) for s in summary["steps"]] == [(name, "skipped") for name in STEPS]
+    assert all("left of the budget" in s["reason"] for s in summary["steps"])
+    assert not list((tmp_path / "work").glob("*.log"))
+
+
+NO_RAY = """
+import sys
+
+class NoRay:  # the GPU machine: Ray is not installed
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, NoRay())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+"""
+
+
+def test_the_gpu_tests_collect_without_ray():
+    tests, excluded = check.gpu_tests()
+    assert {"tests/test_gpu.py", "tests/test_loss.py", "tests/test_attention.py"} <= set(tests)
+    assert "tests/test_gpu_check.py" not in tests and not excluded
+    proc = subprocess.run([sys.executable, "-c", NO_RAY, *tests], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tests/test_gpu.py::test_deterministic_kernels_repeat_a_step_bit_for_bit" in proc.stdout
+
+
+def test_the_table_shows_a_recipe_cut_off_at_the_time_limit_without_numbers():
+    ok = {"status": "ok", "tokens_per_s": 10.0, "mfu": 0.5, "computed_per_real_token": 1.0, "peak_mem_gib": 2.0,
+          "micro_batch_tokens": 4096}
+    steps = [{"name": "throughput", "status": "timeout", "seconds": 240,
+              "result": {"variants": {"varlen": ok, "compiled": {"status": "running"}}}}]
+    text = check.table({"steps": steps, "targets": check.targets({s["name"]: s for s in steps})})
+    assert "| varlen | ok | 10 | 50.0% | 1.00 | 2.00 | 4096 |" in text
+    assert "| compiled | running | - | - | - | - | None |" in text
+    assert "mfu 0.5 (target 0.4): True" in text and "resume_bit_identical None (target True): None" in text
+
+
+def test_bench_results_record_versions_on_a_machine_without_ray(monkeypatch):
+    # bench/throughput.py writes environment() into every result file, on the GPU machine too, which has no Ray
+    sys.path.insert(0, str(REPO / "bench"))
+    import common
+
+    real = common.version
+
+    def version(name: str) -> str:
+        if name == "ray":
+            raise common.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(common, "version", version)
+    env = common.environment()
+    assert env["ray"] is None and env["torch"] and env["transformers"]
