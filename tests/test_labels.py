@@ -1,4 +1,4 @@
-"""Assistant-only labels on real chat templates (../shared/datasets/chat_templates) and on templates written here for
+"""Assistant-only labels on real chat templates (tests/data/chat_templates) and on templates written here for
 each way the earlier prefix-rendering method went wrong. The check is always the same: the supervised tokens,
 decoded run by run, are exactly each assistant text plus the end-of-turn token the template writes after it."""
 
@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from conftest import SHARED_DATASETS
+from conftest import TEST_DATA
 from transformers import AutoTokenizer
 
 from raysft.conversation import BadRecord, to_conversation
@@ -14,7 +14,7 @@ from raysft.demo import DEMO_CHAT_TEMPLATE, DEMO_TOKENIZER
 from raysft.labels import IGNORE_INDEX, label_conversation, marks_generation
 from raysft.tokenizer import VICUNA_TEMPLATE
 
-TEMPLATES = SHARED_DATASETS / "chat_templates"
+TEMPLATES = TEST_DATA / "chat_templates"
 # Each model's special tokens ("special") and its added tokens that are plain text ("plain"), as its tokenizer has them.
 QWEN_PLAIN = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 MODELS = {
@@ -89,8 +89,6 @@ def tokenizer_with(template: str, eos: str, special: list[str], plain: list[str]
 
 
 def model_tokenizer(name: str):
-    if not TEMPLATES.is_dir():
-        pytest.skip("../shared/datasets is not present")
     return tokenizer_with((TEMPLATES / f"{name}.jinja").read_text(), source=name, **MODELS[name])
 
 
@@ -283,8 +281,6 @@ def test_an_export_of_a_base_model_on_a_llama3_or_chatml_template_stops_at_its_e
 
     model = {**MODELS[name], "eos": BASE_EOS[name]}
     model["special"] = [t for t in model["special"] if t != BASE_EOS[name]] + [END_OF_TURN[name]]
-    if not TEMPLATES.is_dir():
-        pytest.skip("../shared/datasets is not present")
     tok = tokenizer_with((TEMPLATES / f"{name}.jinja").read_text(), source=name, **model)
     tok.save_pretrained(tmp_path)
     write_generation_config(tmp_path)
