@@ -62,6 +62,7 @@ def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit
     records = read_metrics(cfg.run_dir)
     assert [m["step"] for m in records if m.get("event") == "resume"] == [4, 8]
     saved = [m for m in records if m.get("event") == "checkpoint"]
+    assert [m["step"] for m in saved] == [3, 4, 6, 8, 9, 12]
     for m in saved:  # the size reported is the size on disk (the event rounds to 0.1 MB)
         assert m["gb"] * 1e9 == pytest.approx(dir_bytes(cfg.run_dir / f"checkpoint_{m['step']:08d}"), abs=1e5)
     assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*")) == \
