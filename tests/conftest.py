@@ -24,7 +24,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 os.environ.setdefault("RAYSFT_LEASE_SETTLE_S", "0.1")
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATASETS = REPO.parent / "shared" / "datasets"
+# Real files from other projects (chat templates, a ShareGPT file), vendored with their sources: tests/data/README.md
+TEST_DATA = REPO / "tests" / "data"
 
 
 @pytest.fixture(scope="module")

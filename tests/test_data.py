@@ -5,7 +5,7 @@ import subprocess
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import SHARED_DATASETS
+from conftest import TEST_DATA
 
 from raysft.config import DataConfig, ModelConfig
 from raysft.conversation import to_conversation
@@ -21,6 +21,8 @@ from raysft.data import (
 from raysft.demo import DEMO_CONVERSATIONS
 from raysft.labels import label_conversation
 from raysft.tokenizer import VICUNA_SYSTEM, VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
+
+FASTCHAT = TEST_DATA / "fastchat" / "dummy_conversation.json"  # 500 ShareGPT conversations from FastChat
 
 CONV = [
     {"from": "system", "value": "Be brief."},
@@ -198,14 +200,12 @@ def test_store_is_reused_and_rebuilt_when_input_or_tokenizer_changes(tmp_path, t
     assert (first.path / "manifest.json").exists()  # older stores are never rewritten
 
 
-@pytest.mark.skipif(not (SHARED_DATASETS / "fastchat").is_dir(), reason="../shared/datasets is not present")
 def test_fastchat_dummy_conversations(tmp_path, tok):
-    path = SHARED_DATASETS / "fastchat" / "dummy_conversation.json"
-    store = prepare_store(DataConfig(paths=[str(path)], max_seq_len=512), tok, tmp_path / "store")
+    store = prepare_store(DataConfig(paths=[str(FASTCHAT)], max_seq_len=512), tok, tmp_path / "store")
     assert store.num_samples == 500
     table = pq.read_table(store.path / "samples.parquet")
     assert min(table.column("num_loss_tokens").to_pylist()) > 0
-    first = json.loads(path.read_text())[0]["conversations"]
+    first = json.loads(FASTCHAT.read_text())[0]["conversations"]
     answers = "<|end|>".join(t["value"] for t in first if t["from"] == "gpt") + "<|end|>"
     row = table.slice(0, 1).to_pylist()[0]
     assert assistant_text(tok, row["labels"]) == answers
@@ -213,8 +213,6 @@ def test_fastchat_dummy_conversations(tmp_path, tok):
 
 # --- the Ray Data path: the same store as the local one -----------------------------------------------------------
 
-FASTCHAT = SHARED_DATASETS / "fastchat" / "dummy_conversation.json"
-needs_fastchat = pytest.mark.skipif(not FASTCHAT.is_file(), reason="../shared/datasets is not present")
 
 
 @pytest.fixture
@@ -255,7 +253,6 @@ def test_ray_store_equals_local_store_on_the_demo_data(tmp_path, tok, ray_cluste
     assert_same_store(*prepare_both(tok, tmp_path, ["builtin:demo"]))
 
 
-@needs_fastchat
 def test_ray_store_equals_local_store_on_fastchat_data(tmp_path, tok, ray_cluster, small_chunks):
     local, on_ray = prepare_both(tok, tmp_path, [FASTCHAT, "builtin:demo"], max_seq_len=24, on_bad_record="skip")
     assert_same_store(local, on_ray)
@@ -294,7 +291,6 @@ def test_ray_holds_out_the_same_eval_records_as_the_local_path(tmp_path, tok, ra
     assert not records[0] & records[1] and len(records[0] | records[1]) == 300
 
 
-@needs_fastchat
 def test_ray_skips_the_same_bad_records(tmp_path, tok, ray_cluster, small_chunks):
     data = bad_copy(FASTCHAT, tmp_path, {3: BAD_RECORDS["unknown_role"], 250: {"conversations": []},
                                          251: BAD_RECORDS["no_assistant_turn"], 499: "not an object"})
@@ -320,7 +316,6 @@ def ray_error(tok, tmp_path, paths) -> str:
     return messages[0]
 
 
-@needs_fastchat
 def test_ray_reports_the_first_bad_record_as_the_local_path_does(tmp_path, tok, ray_cluster, small_chunks):
     data = bad_copy(FASTCHAT, tmp_path, {400: {"conversations": []}, 480: BAD_RECORDS["unknown_role"]})
     assert ray_error(tok, tmp_path, [FASTCHAT, data]).startswith(f"{data}: record 400: 'conversations' is empty")

@@ -87,17 +87,21 @@ def config(tmp_path, name, **sets):
 def reference(tmp_path_factory, request):
     """Uninterrupted runs, by number of workers: per-step losses and final weights. Trained without Ray, on gloo
     processes: the same Trainer and collectives give the same floats (tests/test_checkpoint_ray.py holds a Ray
-    run to exactly that), and no Ray launch is spent on them."""
+    run to exactly that), and no Ray launch is spent on them. With shrink=(step, fewer): stopped at that step and
+    resumed on fewer workers, the run an elastic run that lost workers there is held to."""
     from raysft.run import launch
 
     runs = {}
 
-    def get(workers: int, **sets):
-        key = (workers, tuple(sorted(sets.items())))
+    def get(workers: int, shrink: tuple[int, int] | None = None, **sets):
+        key = (workers, shrink, tuple(sorted(sets.items())))
         if key not in runs:
             tmp = tmp_path_factory.mktemp("reference")
-            cfg = config(tmp, "reference", **{"scaling.num_workers": workers, **sets})
-            request.getfixturevalue("gloo_pool4" if workers == 4 else "gloo_pool").run(launch, cfg)
+            legs = [(workers, {})] if shrink is None else [(workers, {"train.stop_at_step": shrink[0]}),
+                                                             (shrink[1], {})]
+            for num_workers, stop in legs:
+                cfg = config(tmp, "reference", **{"scaling.num_workers": num_workers, **sets, **stop})
+                request.getfixturevalue("gloo_pool4" if num_workers == 4 else "gloo_pool").run(launch, cfg)
             runs[key] = (final_losses(cfg.run_dir), load_file(cfg.run_dir / f"checkpoint_{STEPS:08d}" /
                                                               "model.safetensors"))
         return runs[key]
@@ -296,15 +300,15 @@ def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_p
     assert_same_run(cfg, result, ref)
 
 
-def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(tmp_path, nodes, cluster):
+def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(tmp_path, nodes, reference, cluster):
     _, b = nodes(), nodes()
     wait_for(lambda: ray.available_resources().get("CPU", 0) >= 4, 60, "4 free CPUs")  # else Ray starts with fewer
     # Ray Train's elastic policy sizes the group from Ray's AutoscalingCoordinator, which refreshes its view of the
     # nodes once per tick: without a tick since the nodes came, it sees too few and starts with fewer workers
     # (fault_injection makes the tick 1 s in these tests' workers)
     time.sleep(COORDINATOR_TICK_S + 1)
-    cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, "scaling.min_workers": 2,
-                                         "train.micro_batch_size": 1, "train.global_batch_size": 12})
+    sets = {"scaling.min_workers": 2, "train.micro_batch_size": 1, "train.global_batch_size": 12}
+    cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, **sets})
     run = Background(cfg)
     wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
     cluster.remove_node(b, allow_graceful=False)
@@ -317,8 +321,16 @@ def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(t
     resume = next(m for m in records if m.get("event") == "resume")
     assert start["world_size"] == 4 and resume["world_size"] == 2
     assert [s for s, _ in final_losses(cfg.run_dir)] == list(range(1, STEPS + 1))
-    assert row["steps_lost"] < EVERY + 2
+    assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
     assert Path(result.checkpoint.path).name == f"checkpoint_{STEPS:08d}"
+    # the uninterrupted run on 4 workers: the same losses up to the checkpoint it resumed from, bit for bit, and
+    # after it the same up to the order in which 2 workers sum what 4 did (as in tests/test_run.py's elastic resume)
+    losses, (ref_losses, _) = final_losses(cfg.run_dir), reference(4, **sets)
+    resumed = row["resumed_from"]
+    assert losses[:resumed] == ref_losses[:resumed]
+    torch.testing.assert_close([v for _, v in losses], [v for _, v in ref_losses], rtol=1e-4, atol=1e-5)
+    # and bit for bit, weights too, the run of 4 workers stopped at that checkpoint and relaunched on 2
+    assert_same_run(cfg, result, reference(4, shrink=(resumed, 2), **sets))
 
 
 def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_path, nodes):

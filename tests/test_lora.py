@@ -127,6 +127,9 @@ def test_merged_and_adapter_exports_give_the_live_models_logits(tmp_path, refere
     adapter = raysft.export(ckpt, tmp_path / "adapter")
     assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= {p.name for p in adapter.iterdir()}
     assert not (adapter / "model.safetensors").exists()
+    adapter_config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    assert (adapter_config["r"], adapter_config["lora_alpha"]) == (4, 8)  # LORA's, not peft's defaults (8, 8)
+    assert sorted(adapter_config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
     base = build_full_model(ModelConfig(), AutoConfig.from_pretrained(adapter), seed=0)
     with torch.no_grad():  # the adapters matter: the base alone gives other logits
         assert not torch.allclose(base(input_ids=IDS).logits, live, atol=1e-2)

@@ -62,6 +62,7 @@ def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit
     records = read_metrics(cfg.run_dir)
     assert [m["step"] for m in records if m.get("event") == "resume"] == [4, 8]
     saved = [m for m in records if m.get("event") == "checkpoint"]
+    assert [m["step"] for m in saved] == [3, 4, 6, 8, 9, 12]
     for m in saved:  # the size reported is the size on disk (the event rounds to 0.1 MB)
         assert m["gb"] * 1e9 == pytest.approx(dir_bytes(cfg.run_dir / f"checkpoint_{m['step']:08d}"), abs=1e5)
     assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*")) == \
@@ -177,19 +178,19 @@ def test_validation_changes_no_training_float_and_resumes_exactly_and_elasticall
 
 def test_export_picks_the_best_latest_or_a_step_of_a_run(tmp_path, gloo_pool):
     """keep_best=1 without Ray: what survives is the best by recorded eval loss and the latest; `raysft export RUN
-    --checkpoint best` exports the best."""
+    --checkpoint best` exports the best, `--checkpoint latest` the latest."""
     cfg = run_config(tmp_path, "best", **{"data.eval_fraction": 0.05, "checkpoint.keep_best": 1,
-                                          "train.lr": 0.05, "train.max_steps": 9})  # a rate that makes it worse
+                                          "train.lr": 1.0, "train.max_steps": 9})  # a rate that makes it worse
     gloo_pool.run(launch, cfg)
     evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
     assert sorted(evals) == [3, 6, 9]
-    best = min(evals, key=evals.get)
-    assert [d.name for d in checkpoint_dirs(cfg.run_dir)] == \
-        sorted({f"checkpoint_{best:08d}", "checkpoint_00000009"})
-    assert select_checkpoint(cfg.run_dir, "best").name == f"checkpoint_{best:08d}"
+    assert min(evals, key=evals.get) == 3, evals  # the first evaluation is the best: best and latest differ
+    assert [d.name for d in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000003", "checkpoint_00000009"]
+    assert select_checkpoint(cfg.run_dir, "best").name == "checkpoint_00000003"
     assert select_checkpoint(cfg.run_dir).name == "checkpoint_00000009"
-    assert cli(["export", str(cfg.run_dir), str(tmp_path / "hf"), "--checkpoint", "best"]) == 0
-    assert json.loads((tmp_path / "hf" / "raysft_export.json").read_text())["step"] == best
+    for picked, step in (("best", 3), ("latest", 9)):
+        assert cli(["export", str(cfg.run_dir), str(tmp_path / picked), "--checkpoint", picked]) == 0
+        assert json.loads((tmp_path / picked / "raysft_export.json").read_text())["step"] == step
     with pytest.raises(CheckpointError, match="no complete checkpoint of step 5"):
         select_checkpoint(cfg.run_dir, "5")
     picked = ["--checkpoint", "best"]  # of a checkpoint directory: a mistake, not the directory itself

@@ -205,8 +205,10 @@ def step_losses(run_dir) -> list[tuple[int, float]]:
 
 def export_weights(checkpoint, out: Path) -> dict[str, torch.Tensor]:
     raysft.export(checkpoint, out)
-    assert AutoModelForCausalLM.from_pretrained(out, local_files_only=True) is not None
-    return load_file(out / "model.safetensors")
+    weights = load_file(out / "model.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).state_dict()
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    return weights
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_config
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import raysft.checkpoint.manifest as manifest_module
 from raysft.chat import ChatModel
@@ -162,6 +164,57 @@ def test_a_saved_value_whose_pickle_runs_code_is_refused_on_resume(runs, tmp_pat
                                               "not plain data"):
         trainer(runs["sharded"], resume_dir=ckpt)
     assert not marker.exists()
+
+
+class PersistentIds(pickle.Pickler):
+    """Pickles each storage entry as a persistent id: unpickling it would hand the id to whatever the reader's
+    persistent_load does."""
+
+    def persistent_id(self, obj):
+        return f"storage {obj.relative_path}" if isinstance(obj, _StorageInfo) else None
+
+
+def out_of_the_checkpoint(ckpt: Path) -> bytes:
+    """The real index with every shard entry pointing at `../x`, where a real copy of the shard lies: a reader that
+    followed the name would load it without a complaint."""
+    metadata = dcp_reader(ckpt).read_metadata()
+    shards = {info.relative_path for info in metadata.storage_data.values()}
+    (shard,) = shards
+    shutil.copy(ckpt / shard, ckpt.parent / "x")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../x"
+    return pickle.dumps(metadata)
+
+
+def persistent_ids(ckpt: Path) -> bytes:
+    buf = io.BytesIO()
+    PersistentIds(buf).dump(dcp_reader(ckpt).read_metadata())
+    return buf.getvalue()
+
+
+TAMPERED_INDEXES = {
+    "names_a_file_outside": (out_of_the_checkpoint, r"names a file outside the checkpoint: '\.\./x'"),
+    "cut_off": (lambda ckpt: (ckpt / ".metadata").read_bytes()[:200], "not a DCP index: (EOFError|UnpicklingError)"),
+    "garbled": (lambda ckpt: b"not a pickle at all", "not a DCP index: UnpicklingError"),
+    "persistent_id": (persistent_ids, "refusing a persistent id in a DCP index"),
+}
+
+
+@pytest.mark.parametrize("kind", TAMPERED_INDEXES)
+def test_a_sharded_index_that_is_no_index_is_refused_naming_the_checkpoint(runs, tmp_path, kind):
+    """Beside code to run, an index can name a file outside the checkpoint, be cut off or garbled, or hold a
+    persistent id: resume and export each refuse it with a CheckpointError naming the checkpoint and its index."""
+    make, why = TAMPERED_INDEXES[kind]
+    ckpt = copy(runs["sharded"].run_dir / "checkpoint_00000002", tmp_path / "run" / "checkpoint_00000002")
+    (ckpt / ".metadata").write_bytes(make(ckpt))
+    resign(ckpt)
+    refused = f"{re.escape(str(ckpt))}: cannot read the sharded checkpoint's index: " \
+              f"{re.escape(str(ckpt / '.metadata'))}: {why}"
+    with pytest.raises(CheckpointError, match=refused):
+        export(ckpt, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=refused):
+        trainer(runs["sharded"], resume_dir=ckpt)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_real_sharded_checkpoint_still_resumes_and_exports(runs, tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import cli_in_process, tiny_config
 from safetensors.torch import load_file
 
 import raysft
@@ -71,12 +71,16 @@ def test_ray_gets_the_eval_loss_with_each_checkpoint_and_keeps_the_best_and_the_
     result = raysft.train(cfg)
     evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
     assert sorted(evals) == [2, 4, 6] and result.metrics["eval_loss"] == evals[6]
-    best = min(evals, key=evals.get)
-    assert checkpoint_steps(cfg.run_dir) == sorted({best, 6})
+    assert min(evals, key=evals.get) == 2, evals  # the first evaluation is the best: best and latest differ
+    assert checkpoint_steps(cfg.run_dir) == [2, 6]
     ray_best, score = min(result.best_checkpoints, key=lambda c: c[1]["eval_loss"])  # Ray's view: the same
-    assert Path(ray_best.path).name == f"checkpoint_{best:08d}" and score["eval_loss"] == evals[best]
+    assert Path(ray_best.path).name == "checkpoint_00000002" and score["eval_loss"] == evals[2]
     assert Path(result.checkpoint.path).name == "checkpoint_00000006"
-    assert select_checkpoint(cfg.run_dir, "best").name == f"checkpoint_{best:08d}"
+    assert select_checkpoint(cfg.run_dir, "best").name == "checkpoint_00000002"
+    for picked, step in (("best", 2), ("latest", 6)):  # the CLI on the run Ray pruned
+        out = cli_in_process("export", str(cfg.run_dir), str(tmp_path / picked), "--checkpoint", picked)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads((tmp_path / picked / "raysft_export.json").read_text())["step"] == step
 
 
 def test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint(tmp_path):
