@@ -74,6 +74,8 @@ def holder_alive(lease: dict, watch_s: float, read: Callable[[], dict | None] | 
     while read is not None and time.monotonic() < deadline:
         time.sleep(min(HEARTBEAT_S / 2, watch_s))
         now = read()
+        if now == {}:
+            continue  # read mid-write (torn): says nothing about the holder; read again
         if now is None or now.get("token") != lease.get("token"):
             return False  # released, or taken by a third launch (`take` then reads whose it is)
         if now.get("heartbeat") != lease.get("heartbeat"):

@@ -159,3 +159,12 @@ def test_the_holder_renews_its_heartbeat_and_notices_when_another_takes_the_run(
         held_by(tmp_path, pid=1, token="usurper")
         poll(lambda: lease.lost)
     assert json.loads((tmp_path / LEASE_FILE).read_text())["token"] == "usurper"  # not ours to delete
+
+
+def test_a_lease_read_mid_write_while_watching_another_host_is_not_taken_for_released():
+    """A local file is rewritten in place: a read that lands mid-write sees it torn ({}). That is no release: the
+    watch goes on, and the heartbeat that moves next shows the holder alive."""
+    beat = time.time()
+    lease = {"host": "elsewhere", "pid": 1, "token": "theirs", "heartbeat": beat}
+    reads = iter([{}, {**lease, "heartbeat": beat + 10}])
+    assert lease_module.holder_alive(lease, watch_s=60, read=lambda: next(reads))
