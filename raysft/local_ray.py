@@ -99,7 +99,7 @@ def check_reachable() -> None:
     """Raise ClusterUnreachable, naming RAY_ADDRESS, if nothing accepts a connection at its host and port within
     CONNECT_TIMEOUT_S (tried once a second). "auto" and "local" name no address: Ray looks on this machine itself."""
     address, timeout_s = os.environ.get("RAY_ADDRESS", ""), CONNECT_TIMEOUT_S
-    host_port = address.removeprefix("ray://").rstrip("/")
+    host_port = re.sub(r"^[a-z]+://", "", address).rstrip("/")
     if not host_port or host_port in ("auto", "local"):
         return
     host, _, port = host_port.rpartition(":")

@@ -25,7 +25,8 @@ def test_without_ray_address_a_private_local_ray_is_started_not_another_one_join
     temp = first["RAY_TMPDIR"]  # what the processes of this Ray inherit as their RAY_TMPDIR
     assert temp.startswith(f"{tmp_path}/raysft-ray-") and "/" not in temp[len(str(tmp_path)) + 1:]
     # ... and RAY_ADDRESS: its own GCS, where Ray's state API looks before any other Ray on the machine
-    assert first["RAY_ADDRESS"] == f"127.0.0.1:{first['RAY_GCS_SERVER_PORT']}" and first["_node_ip_address"] == "127.0.0.1"
+    assert first["RAY_ADDRESS"] == f"127.0.0.1:{first['RAY_GCS_SERVER_PORT']}"
+    assert first["_node_ip_address"] == "127.0.0.1"
     assert second["RAY_TMPDIR"] != temp  # two launches on one machine do not share one either
     assert os.environ["RAY_TMPDIR"] == str(tmp_path) and "RAY_ADDRESS" not in os.environ  # the driver's, as it was
     shutil.rmtree(tmp_path)

@@ -77,9 +77,14 @@ def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
     import raysft.trainer
 
     checks, every_s = [], raysft.trainer.NOTICE_CHECK_S
+
+    def stop_requested() -> bool:
+        checks.append(1)
+        return ctx.rank == 1 and len(checks) >= after_checks
+
     raysft.trainer.NOTICE_CHECK_S = 0.0
     try:
-        return launch(ctx, cfg, stop_requested=lambda: ctx.rank == 1 and len(checks.append(1) or checks) >= after_checks)
+        return launch(ctx, cfg, stop_requested=stop_requested)
     finally:
         raysft.trainer.NOTICE_CHECK_S = every_s
 
