@@ -26,6 +26,7 @@ import re
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -36,8 +37,6 @@ TEMP_PREFIX = "raysft-ray-"
 # Lines Ray's own actors write to stderr that the driver would print: C++ log lines ("[2026-... E 123 456]
 # core_worker.cc:2465: ...") and the state API's notice about other Rays on the machine.
 RAY_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\] \S+:\d+: |Found multiple active Ray instances")
-
-
 # How long a cluster named in RAY_ADDRESS may take to answer (a head still starting): Ray itself retries an address
 # nobody answers for minutes without a word.
 CONNECT_TIMEOUT_S = float(os.environ.get("RAYSFT_RAY_CONNECT_TIMEOUT_S", 30.0))
@@ -47,12 +46,13 @@ class ClusterUnreachable(RuntimeError):
     """Nothing answers at the address in RAY_ADDRESS."""
 
 
+@dataclass
 class LocalRay:
-    """Where a local Ray keeps its logs, and the directory under RAY_TMPDIR that links to them (if it had to go
+    """Where a local Ray keeps its state and logs, and the link to them under RAY_TMPDIR (if they had to go
     elsewhere)."""
 
-    def __init__(self, temp_dir: str, linked_from: str | None = None):
-        self.temp_dir, self.linked_from = temp_dir, linked_from
+    temp_dir: str
+    linked_from: str | None = None
 
     @property
     def logs(self) -> str:

@@ -57,6 +57,7 @@ def processes_with_env(entry: str) -> list[int]:
 
 
 def wait_gone(entry: str, timeout: float = 60) -> list[int]:
+    """The processes still holding `entry` after up to `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while (left := processes_with_env(entry)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -89,38 +90,52 @@ def raysft_lines(terminal: str) -> list[str]:
     return [line for line in lines if line.startswith(("raysft: ", "step "))]
 
 
-def test_sigterm_to_raysft_train_checkpoints_and_two_local_runs_keep_to_their_own_ray(tmp_path):
-    """Run A under a RAY_TMPDIR of over 60 characters, run B beside it from start to end; then SIGTERM to A's driver.
-    A exits 143 with a checkpoint of the step it was at, says how to resume, leaves no process of its Ray and no
-    lease; neither terminal shows anything but raysft's lines."""
+def start_train(tmp_path: Path, name: str, env: dict, storage: Path, **over) -> subprocess.Popen:
+    """`raysft train` in a process group of its own (as a terminal's foreground job), its terminal in files."""
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "raysft", "train", *sets(storage, name, **over)], env=env,
+                                cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+
+
+def local_ray_gone(out: str) -> list[int]:
+    """The processes of the local Ray whose logs the launch printed, once they have had a minute to end."""
+    temp = re.search(r"its logs: (\S+)", out).group(1).split("/ray/session_latest")[0]
+    return wait_gone(f"RAY_TMPDIR={temp}")
+
+
+def test_signals_to_two_local_runs_beside_each_other(tmp_path):
+    """Run A under a RAY_TMPDIR of over 60 characters, run B beside it. Ctrl-C to B's process group: B exits 130 at
+    once, without a checkpoint or a traceback. SIGTERM to A's driver: A exits 143 with a checkpoint of the step it
+    was at and says how to resume. Neither leaves a process of its Ray or its lease, and neither terminal shows
+    Ray's lines about the other Ray or its own notices."""
     long_tmp = tmp_path / "scratch-of-a-cluster-job" / "job-0042-with-a-long-name" / "raytmp"
     long_tmp.mkdir(parents=True)
     assert len(str(long_tmp)) >= 60
     storage = tmp_path / "runs"
     with cli_env() as env_b:
-        env_a = {**env_b, "RAY_TMPDIR": str(long_tmp)}
-        with open(tmp_path / "a.out", "w") as out, open(tmp_path / "a.err", "w") as err:
-            a = subprocess.Popen([sys.executable, "-m", "raysft", "train", *sets(storage, "a")], env=env_a,
-                                 cwd=REPO, stdout=out, stderr=err)
-        try:  # B starts beside A and ends while A trains
-            b = subprocess.run([sys.executable, "-m", "raysft", "train",
-                                *sets(storage, "b", **{"train.max_steps": 3, "scaling.num_workers": 1})],
-                               env=env_b, cwd=REPO, capture_output=True, text=True, timeout=600)
-            assert b.returncode == 0, b.stderr[-3000:]
+        a = start_train(tmp_path, "a", {**env_b, "RAY_TMPDIR": str(long_tmp)}, storage)
+        b = start_train(tmp_path, "b", env_b, storage, **{"scaling.num_workers": 1})
+        try:
+            wait_for_step(storage / "b", b, 2)
+            os.killpg(b.pid, signal.SIGINT)  # what Ctrl-C on B's terminal sends
+            assert b.wait(timeout=120) == EXIT_SIGINT
             wait_for_step(storage / "a", a, 2)
             a.send_signal(signal.SIGTERM)
             assert a.wait(timeout=120) == EXIT_SIGTERM
         finally:
-            if a.poll() is None:
-                a.kill()
-    a_out, a_err = (tmp_path / "a.out").read_text(), (tmp_path / "a.err").read_text()
+            for p in (a, b):
+                if p.poll() is None:
+                    p.kill()
+    a_out, a_err, b_out, b_err = ((tmp_path / f).read_text() for f in ("a.out", "a.err", "b.out", "b.err"))
     assert_stopped_with_checkpoint(storage / "a", a_err)
+    assert "raysft: stopped by Ctrl-C; no checkpoint" in b_err and "Traceback" not in b_out + b_err, b_err[-3000:]
+    assert not list((storage / "b").glob("checkpoint_*")) and not (storage / "b" / LEASE_FILE).exists()
     logs = re.search(r"its logs: (\S+)", a_out).group(1)
-    temp = logs.split("/ray/session_latest")[0]
     assert Path(logs).is_dir() and re.search(rf"linked from {re.escape(str(long_tmp))}/raysft-ray-\w+", a_out)
-    assert wait_gone(f"RAY_TMPDIR={temp}") == []  # A's local Ray: GCS, raylet, workers, all gone
-    for terminal in (a_out + a_err, b.stdout + b.stderr):
-        assert ray_noise(terminal) == [] and "raysft: run " in terminal and "step 2/" in "".join(raysft_lines(terminal))
+    assert local_ray_gone(a_out) == [] and local_ray_gone(b_out) == []  # GCS, raylet, workers: all gone
+    for terminal in (a_out + a_err, b_out + b_err):
+        assert ray_noise(terminal) == [] and "raysft: run " in terminal
+    assert "step 2/" in "".join(raysft_lines(a_out))  # the workers' lines still reach the terminal
 
 
 def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_exits(tmp_path):
