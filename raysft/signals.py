@@ -83,6 +83,8 @@ class DriverSignals:
             exit_process(EXIT_SIGINT)
 
     def run(self, fn: Callable[[], T]) -> T:
+        if threading.current_thread() is not threading.main_thread():
+            return fn()  # only the main thread gets signals (a driver run from a thread leaves them to its caller)
         box: dict = {}
 
         def target() -> None:

@@ -186,6 +186,13 @@ def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctr
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
+    # a driver run from a thread (raysft.train in a script's thread): signals are its caller's; the call just runs
+    box = []
+    thread = threading.Thread(target=lambda: box.append(DriverSignals(60, lambda: None).run(lambda: "ran")))
+    thread.start()
+    thread.join(60)
+    assert box == ["ran"]
+
 
 def test_a_second_ctrl_c_ends_the_process_at_once():
     code = ("import signal, os, time, threading, importlib.util\n"  # raysft.signals alone: no torch to import
