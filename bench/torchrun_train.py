@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from raysft.config import TrainConfig
-from raysft.run import end_distributed, exit_process, init_distributed, prepare_on_rank0, run_trainer
+from raysft.run import end_distributed, init_distributed, prepare_on_rank0, run_trainer
+from raysft.signals import exit_process
 from raysft.trainer import Trainer
 
 

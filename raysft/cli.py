@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 
+import ray
 import transformers
 
 from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
@@ -16,6 +18,7 @@ from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch import train
 from raysft.metrics import METRICS_FILE, ProgressBar
 from raysft.report import draw, read_curves
+from raysft.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.storage import location
 from raysft.tokenizer import load_tokenizer
 
@@ -86,9 +89,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"raysft: config error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        result = e.result
+        checkpoint = result.checkpoint.path if e.checkpointed and result and result.checkpoint else None
+        print(stop_message(e.signum, config.run_dir, checkpoint, str(e)), file=sys.stderr)
+        _end_stopped(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C outside training (tokenizing, exporting): nothing half-written is kept
+        print(stop_message(signal.SIGINT, None, None).splitlines()[0], file=sys.stderr)
+        _end_stopped(EXIT_SIGINT)
     except Exception as e:  # noqa: BLE001 - the CLI's contract is a message and a non-zero exit
         print(f"raysft: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+
+
+def _end_stopped(code: int) -> None:
+    """A stopped `raysft train` ends here: the local Ray it started goes down with all its processes (the call
+    that waited on Ray Train may still be inside Ray's client, so the process does not finalize: see exit_process)."""
+    ray.shutdown()
+    exit_process(code)
 
 
 def _prepare(config: TrainConfig) -> int:

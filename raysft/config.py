@@ -221,6 +221,9 @@ class RunConfig:
     storage_path: str = "~/raysft_runs"
     """A local or shared (NFS) directory, or a URI of any pyarrow filesystem: s3://bucket/prefix, gs://... Every
     node must reach it; checkpoints, metrics.jsonl and the run's small files live in <storage_path>/<name>."""
+    stop_grace_s: float = 30.0
+    """On SIGTERM (a scheduler, Kubernetes, `ray job stop`) the workers checkpoint the step they are at and the
+    process exits with code 143 within this many seconds, checkpoint or not. Give the sender at least as long."""
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")

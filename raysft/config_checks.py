@@ -90,6 +90,7 @@ def validate(cfg: TrainConfig) -> None:
              "set model.path (fine-tune) or model.config (from scratch)")
     _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer",
              "no tokenizer: set model.tokenizer or model.path")
+    _require(cfg.run.stop_grace_s > 0, "run.stop_grace_s", f"must be > 0 seconds, got {cfg.run.stop_grace_s}")
     _require(is_plain_name(cfg.run.name), "run.name",
              f"must be a plain directory name (not '.' or '..', no path separator), got {cfg.run.name!r}: "
              "the run directory is always a child of run.storage_path")

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -41,8 +42,9 @@ from raysft.checkpoint import (
 from raysft.config import ConfigError, TrainConfig
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.lease import RunLease
-from raysft.local_ray import connect
+from raysft.local_ray import check_reachable, connect
 from raysft.resume import Stores, prepare_launch
+from raysft.signals import DriverSignals
 from raysft.step_guard import TrainingDivergedError
 from raysft.storage import location, use_filesystem
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
@@ -73,6 +75,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     and keeps the old run directory beside it, renamed. One launch at a time: while another live launch holds the
     run (raysft.lease), this one raises RunInUse before it changes anything.
     """
+    check_reachable()  # a cluster in RAY_ADDRESS that nobody answers: named now, not after tokenizing
     lease = RunLease(config.run_dir)
     lease.check_free()  # before the data is tokenized, and before --fresh moves a live launch's run away
     stores = prepare_launch(config, fresh)
@@ -86,11 +89,12 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     s = config.scaling
     root = location(config.run.storage_path)
     remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
+    stop_flag = StopFlag.remote()
     trainer = TorchTrainer(
         train_loop_per_worker=_train_fn,
         train_loop_config={"config": config.to_dict(), "store": str(stores.train),
                            "eval_store": str(stores.eval) if stores.eval else None, "filesystem": remote,
-                           "filesystem_path": root.path},
+                           "filesystem_path": root.path, "stop_flag": stop_flag},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
                                      use_gpu=s.use_gpu, resources_per_worker=worker_resources(s)),
@@ -107,8 +111,9 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
     fatal_file = location(config.run_dir) / FATAL_ERROR_FILE
     fatal_file.delete()
+    signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: ray.get(stop_flag.request.remote()))
     try:
-        result = trainer.fit()
+        result = signals.run(trainer.fit)  # raises raysft.signals.Stopped on SIGTERM or Ctrl-C
     except ControllerError as e:
         raise CannotPlaceWorkers(
             f"Ray could not start {s.min_workers or s.num_workers} workers of {worker_resources(s)} in "
@@ -120,6 +125,33 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         fatal = json.loads(fatal_file.read_text())
         raise next(t for t in NOT_RETRIED if t.__name__ == fatal["type"])(fatal["message"])
     return result
+
+
+@ray.remote(num_cpus=0)
+class StopFlag:
+    """The driver's stop request (it got SIGTERM), which rank 0 asks at each of the training loop's notice checks:
+    under Ray the signal reaches the driver, not the workers."""
+
+    def __init__(self):
+        self.requested = False
+
+    def request(self) -> None:
+        self.requested = True
+
+    def get(self) -> bool:
+        return self.requested
+
+
+def stop_requested(flag, rank: int) -> Callable[[], bool]:
+    """Rank 0 asks the driver's StopFlag (the loop shares the answer with every rank); a flag that is gone (the
+    driver with it) is no request: Ray ends the workers of a dead driver itself."""
+    def ask() -> bool:
+        try:
+            return rank == 0 and ray.get(flag.get.remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+
+    return ask
 
 
 def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
@@ -134,9 +166,12 @@ def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
 def connect_ray(scaling: RaysftScaling) -> None:
     """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
     with just enough logical CPUs for the workers."""
-    temp = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
-    if temp:
-        print(f"raysft: a local Ray of its own; its logs: {temp}/ray/session_latest/logs", flush=True)
+    local = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+    if local:
+        print(f"raysft: a local Ray of its own; its logs: {local.logs}", flush=True)
+        if local.linked_from:
+            print(f"raysft: (RAY_TMPDIR is too long for Ray's socket paths: linked from {local.linked_from})",
+                  flush=True)
 
 
 def start_timeout_s() -> float:
@@ -177,7 +212,8 @@ def _train_fn(loop_config: dict) -> None:
         clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
     try:
         eval_store = loop_config.get("eval_store")
-        _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None).train()
+        _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
+                       stop_requested(loop_config["stop_flag"], worker.rank)).train()
     except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
         if worker.rank == 0:
             (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
@@ -213,11 +249,12 @@ def _quiet_report_lines() -> None:
             handler.addFilter(_DropReports())
 
 
-def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext, eval_store: Path | None = None) -> Trainer:
+def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext, eval_store: Path | None = None,
+                   stop: Callable[[], bool] = lambda: False) -> Trainer:
     """Resumes from the run's newest complete checkpoint. That is Ray's latest (`ray.train.get_checkpoint()`)
     unless Ray's record of a newer one died with a worker, or its latest was cut short."""
     sink = ray_sink(cfg, worker.rank, existing_checkpoint_names(cfg.run_dir))
-    return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline, eval_store)
+    return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline, eval_store, stop)
 
 
 def ray_worker_context() -> WorkerContext:

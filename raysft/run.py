@@ -5,15 +5,17 @@
 Rank 0 tokenizes the data (or reuses the store) and claims the run directory; then every rank trains, writing
 checkpoints into `<run.storage_path>/<run.name>` (pruned to checkpoint.keep): straight into the directory on a
 local or shared (NFS) path, uploaded by each rank on s3://, gs://, ... A relaunch continues from the run's newest
-complete checkpoint. Exit codes as `raysft train`: 2 for a configuration error.
+complete checkpoint. Exit codes as `raysft train`: 2 for a configuration error, 143 when SIGTERM stopped it (each
+rank checkpoints the step it is at first; torchrun's agent forwards the signal to every rank), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from raysft.collectives import from_rank0
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.lease import RunInUse, RunLease
 from raysft.resume import Stores, prepare_launch
+from raysft.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
 
@@ -36,14 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed()
     code = 1
     try:
-        launch(ctx, load_config(args.config, args.overrides), args.fresh)
+        config = load_config(args.config, args.overrides)
+        signals = WorkerSignals(config.run.stop_grace_s)
+        done = launch(ctx, config, args.fresh, signals.requested.is_set)
         code = 0
+        if signals.requested.is_set() and done["step"] < (config.train.stop_at_step or config.train.max_steps):
+            code = EXIT_SIGTERM  # stopped early, at a step every rank checkpointed
+            if ctx.rank == 0:
+                print(stop_message(signal.SIGTERM, config.run_dir, f"step {done['step']}"),
+                      file=sys.stderr)
     except ConfigError as e:
         if ctx.rank == 0:
             print(f"raysft: config error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:
+        if ctx.rank == 0:
+            print(stop_message(signal.SIGINT, None, None).splitlines()[0], file=sys.stderr)
+        code = EXIT_SIGINT
     finally:
-        end_distributed(agreed=code != 1)
+        end_distributed(agreed=code in (0, 2, EXIT_SIGTERM))
     return code
 
 
@@ -65,12 +79,14 @@ def init_distributed() -> WorkerContext:
     return WorkerContext(dist.get_rank(), dist.get_world_size(), device, int(os.environ.get("GROUP_RANK", 0)))
 
 
-def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False) -> dict:
-    """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming)."""
+def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False,
+           stop_requested: Callable[[], bool] = lambda: False) -> dict:
+    """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming) until
+    the end or until `stop_requested` holds on some rank (then at a checkpointed step)."""
     lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
     stores = prepare_on_rank0(config, fresh, lease)
     try:
-        return train(config, stores, ctx)
+        return train(config, stores, ctx, stop_requested)
     finally:
         if lease is not None:
             lease.release()
@@ -100,12 +116,14 @@ def prepare_on_rank0(config: TrainConfig, fresh: bool, lease: RunLease | None = 
     return value
 
 
-def train(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> dict:
+def train(config: TrainConfig, stores: Stores, ctx: WorkerContext,
+          stop_requested: Callable[[], bool] = lambda: False) -> dict:
     """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint."""
-    return run_trainer(config, stores, ctx).train()
+    return run_trainer(config, stores, ctx, stop_requested).train()
 
 
-def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> Trainer:
+def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext,
+                stop_requested: Callable[[], bool] = lambda: False) -> Trainer:
     """Collective: the Trainer of this launch, resuming, with the sink for the run's storage."""
     taken = existing_checkpoint_names(config.run_dir)
     if isinstance(config.run_dir, Path):
@@ -114,23 +132,7 @@ def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext) -> Trai
     else:
         scratch = scratch_root(config.run.name, config.run_dir)
         sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken, config.checkpoint.keep_best)
-    return resume_trainer(config, stores.train, ctx, sink, eval_store=stores.eval)
-
-
-def exit_process(code: int) -> None:
-    """End the torchrun worker without Python's interpreter finalization.
-
-    On torch 2.11-2.13 a gloo process group outlives `destroy_process_group` once a model was `fully_shard`-ed (its
-    two `pt_gloo_runloop` threads are still there after a `gc.collect()`). If one of them drops the last reference
-    to a finished collective's Python-created tensor while the interpreter finalizes, it needs the GIL, is ended by
-    the finalizing interpreter, and the process aborts with "terminate called without an active exception"
-    (pytorch#179291 describes the same). Under load that was one launch in three here. Everything raysft writes
-    is closed by now (checkpoints committed, metrics and trackers closed, the run's lease released), so what is
-    left is to flush the standard streams and leave."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return resume_trainer(config, stores.train, ctx, sink, eval_store=stores.eval, stop_requested=stop_requested)
 
 
 if __name__ == "__main__":

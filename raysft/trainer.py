@@ -65,7 +65,7 @@ def use_deterministic_kernels(device: torch.device) -> None:
         torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
-PREEMPTION_CHECK_S = 1.0  # how often Ray is asked for a preemption notice (a barrier); a notice gives tens of seconds
+NOTICE_CHECK_S = 1.0  # how often the ranks look for a preemption notice or a stop request (a barrier each)
 
 
 @dataclass
@@ -79,10 +79,10 @@ class WorkerContext:
 
 def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink,
                    preemption_deadline: Callable[[], float | None] = lambda: None,
-                   eval_store: Path | None = None) -> Trainer:
+                   eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False) -> Trainer:
     """Collective: a Trainer that continues from the run's newest complete checkpoint (a fresh one if none)."""
     resume_dir, skipped = find_resume_dir(cfg.run_dir)
-    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline, eval_store)
+    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline, eval_store, stop_requested)
     for path, reason in skipped:
         trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
     return trainer
@@ -94,18 +94,22 @@ class Trainer:
     `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
     which a node of this run will be taken away. The loop checkpoints as soon as it hears of it, and once more
     when the deadline is nearer than two steps and a save, so that only the steps after that are redone.
+    `stop_requested` is local (a SIGTERM reached this process or its driver, raysft.signals): when it holds on any
+    rank, every rank checkpoints the step it is at, as for a preemption notice, and `train()` returns.
     """
 
     def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink,
                  ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None,
-                 eval_store: Path | None = None):
+                 eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg, self.ctx = cfg, ctx
         self.sink = sink
         self.preemption_deadline = preemption_deadline
+        self.stop_requested = stop_requested
+        self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         self.deadline: float | None = None  # of an announced preemption
         self.last_chance_taken = False
         self.save_s = 0.0  # how long the preemption checkpoint took, to time the last one
-        self.next_preemption_check = 0  # the step after which Ray is asked next (the first one, and then see below)
+        self.next_notice_check = 0  # the step after which the ranks look next (the first one, and then see below)
         self.checked_at = (0, time.perf_counter())  # (step, time) of the last check
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
@@ -164,9 +168,9 @@ class Trainer:
                 self.checkpointer.finish(step)
                 self.log.close()
                 raise self.guard.diverged
-            preempted = self._preemption_save_due(time.perf_counter() - step_start)
+            preempted, self.stopped = self._notices(time.perf_counter() - step_start)
             scheduled = self.checkpointer.due(step, stop)
-            save = scheduled or preempted
+            save = scheduled or preempted or self.stopped
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
             evaluate = self.evaluator is not None and self.evaluator.due(step, scheduled)
             if save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
@@ -175,14 +179,17 @@ class Trainer:
             if save:
                 save_start = time.perf_counter()
                 self.checkpointer.save(self.state, metrics)
-                if preempted:
-                    self.checkpointer.finish(step)  # durable and reported before the node goes
+                if preempted or self.stopped:
+                    self.checkpointer.finish(step)  # durable and reported before the node or the process goes
                     self.save_s = time.perf_counter() - save_start
             elif report:
                 self.sink.report({**metrics, "step": step}, step)
+            if self.stopped:
+                self.log.event("stopped", step=step, reason="SIGTERM", hint="launch again to continue")
+                break
             self.checkpointer.poll(step)
         self.checkpointer.finish(self.state.step)
-        if self.state.step < t.max_steps:
+        if self.state.step < t.max_steps and not self.stopped:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
         self.log.close()
@@ -265,23 +272,30 @@ class Trainer:
             self.log.step(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")}, at=row["time"])
         return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}
 
-    def _preemption_save_due(self, step_s: float) -> bool:
-        """Collective: whether to checkpoint now because Ray has just announced that a node of this run will be
-        drained, or because that deadline is nearer than two more steps and a save. Training goes on after each;
-        when the node goes, Ray restarts the workers elsewhere from the latest.
+    def _notices(self, step_s: float) -> tuple[bool, bool]:
+        """Collective: (whether to checkpoint for a preemption, whether to checkpoint and stop on a stop request).
 
-        Asking Ray is a barrier, so until a notice comes it is asked about every PREEMPTION_CHECK_S seconds, not
-        every step: at each check rank 0 turns its measured step time into the number of steps to the next check
-        and broadcasts it, so that every rank asks at the same step whatever its own clock says."""
-        if self.deadline is None:
-            if self.state.step < self.next_preemption_check:
-                return False
-            self.deadline = self.preemption_deadline()
-            self._schedule_preemption_check()
-            if self.deadline is not None:
-                self.log.event("preemption_notice", step=self.state.step, seconds_left=self._seconds_left())
-            return self.deadline is not None
-        if self.last_chance_taken or math.isinf(self.deadline):
+        A preemption checkpoint is due when Ray has just announced that a node of this run will be drained, or when
+        that deadline is nearer than two more steps and a save. Training goes on after each; when the node goes,
+        Ray restarts the workers elsewhere from the latest.
+
+        Asking Ray and agreeing on a stop are barriers, so they happen about every NOTICE_CHECK_S seconds, not every
+        step: at each check rank 0 turns its measured step time into the number of steps to the next check, and one
+        all-reduce carries that and every rank's stop request, so that every rank checks at the same step whatever
+        its own clock says, and all stop together."""
+        if self.state.step < self.next_notice_check:
+            return self._last_chance_due(step_s), False
+        stop = self._schedule_notice_check()
+        if self.deadline is not None:
+            return self._last_chance_due(step_s), stop
+        self.deadline = self.preemption_deadline()
+        if self.deadline is not None:
+            self.log.event("preemption_notice", step=self.state.step, seconds_left=self._seconds_left())
+        return self.deadline is not None, stop
+
+    def _last_chance_due(self, step_s: float) -> bool:
+        """Collective once a notice came: whether the deadline is nearer than two more steps and a save."""
+        if self.deadline is None or self.last_chance_taken or math.isinf(self.deadline):
             return False
         if not any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
             return False
@@ -289,12 +303,15 @@ class Trainer:
         self.log.event("preemption_last_checkpoint", step=self.state.step, seconds_left=self._seconds_left())
         return True
 
-    def _schedule_preemption_check(self) -> None:
+    def _schedule_notice_check(self) -> bool:
+        """Collective: schedule the next check (rank 0's step time decides); whether a stop is requested on any rank."""
         now, step = time.perf_counter(), self.state.step
         steps_s = (now - self.checked_at[1]) / max(1, step - self.checked_at[0])
-        every = torch.tensor([max(1, min(1000, int(PREEMPTION_CHECK_S / max(steps_s, 1e-6))))], device=self.ctx.device)
-        dist.broadcast(every, src=0)
-        self.next_preemption_check, self.checked_at = step + int(every.item()), (step, now)
+        every = max(1, min(1000, int(NOTICE_CHECK_S / max(steps_s, 1e-6)))) if self.ctx.rank == 0 else 0
+        agreed = torch.tensor([every, int(self.stop_requested())], device=self.ctx.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # rank 0's is the only non-zero step count
+        self.next_notice_check, self.checked_at = step + int(agreed[0].item()), (step, now)
+        return bool(agreed[1].item())
 
     def _seconds_left(self) -> float | None:
         return None if math.isinf(self.deadline) else round(self.deadline - time.time(), 1)

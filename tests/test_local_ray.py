@@ -1,7 +1,8 @@
 """The local Ray a launch without RAY_ADDRESS starts is its own: it never joins another Ray on this machine."""
 
 import os
-import types
+import shutil
+import tempfile
 
 import ray
 
@@ -9,28 +10,49 @@ from raysft import launch, local_ray
 from raysft.config import ScalingConfig
 
 
-def test_without_ray_address_a_private_local_ray_is_started_not_another_one_joined(tmp_path, monkeypatch):
+def test_without_ray_address_a_private_local_ray_is_started_not_another_one_joined(monkeypatch):
     calls = []
+    tmp_path = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short enough for Ray's socket paths under it
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(local_ray.ray, "init", lambda **kw: calls.append({**kw, "env": os.environ["RAY_TMPDIR"]}))
-    monkeypatch.setattr(local_ray.ray, "get_runtime_context",
-                        lambda: types.SimpleNamespace(gcs_address=f"127.0.0.1:{6000 + len(calls)}"))
+    monkeypatch.setattr(local_ray.ray, "init", lambda **kw: calls.append(
+        {**kw, **{k: os.environ[k] for k in ("RAY_TMPDIR", "RAY_ADDRESS", "RAY_GCS_SERVER_PORT")}}))
     launch.connect_ray(ScalingConfig(num_workers=3, cpus_per_worker=0.5))
     launch.connect_ray(ScalingConfig(num_workers=1))
     (first, second) = calls
     assert first["address"] == "local" and first["num_cpus"] == 2  # "local": start one, never join
-    temp = first["env"]  # what the processes of this Ray inherit as their RAY_TMPDIR
-    assert temp.startswith(f"{tmp_path}/raysft-ray-") and "/" not in temp[len(str(tmp_path)) + 1:]  # short
-    assert open(f"{temp}/ray/ray_current_cluster").read().strip() == "127.0.0.1:6001"  # where they look first
-    assert second["env"] != temp  # two launches on one machine do not share one either
-    assert os.environ["RAY_TMPDIR"] == str(tmp_path)  # the driver's own environment is as it was
+    temp = first["RAY_TMPDIR"]  # what the processes of this Ray inherit as their RAY_TMPDIR
+    assert temp.startswith(f"{tmp_path}/raysft-ray-") and "/" not in temp[len(str(tmp_path)) + 1:]
+    # ... and RAY_ADDRESS: its own GCS, where Ray's state API looks before any other Ray on the machine
+    assert first["RAY_ADDRESS"] == f"127.0.0.1:{first['RAY_GCS_SERVER_PORT']}"
+    assert first["_node_ip_address"] == "127.0.0.1"
+    assert second["RAY_TMPDIR"] != temp  # two launches on one machine do not share one either
+    assert os.environ["RAY_TMPDIR"] == str(tmp_path) and "RAY_ADDRESS" not in os.environ  # the driver's, as it was
+    shutil.rmtree(tmp_path)
+
+
+def test_under_a_long_ray_tmpdir_the_local_ray_goes_to_a_short_directory_linked_from_there(tmp_path):
+    """Ray's socket paths (<temp>/ray/session_<time>_<pid>/sockets/...) must stay under 108 bytes."""
+    long = tmp_path / ("x" * 60)
+    long.mkdir()
+    os.environ["RAY_TMPDIR"], before = str(long), os.environ.get("RAY_TMPDIR")
+    try:
+        local = local_ray.private_temp_dir()
+    finally:
+        os.environ.pop("RAY_TMPDIR") if before is None else os.environ.update(RAY_TMPDIR=before)
+    try:
+        assert len(local.temp_dir) + local_ray.SOCKET_TAIL <= local_ray.SOCKET_PATH_MAX
+        assert os.path.realpath(local.linked_from) == os.path.realpath(local.temp_dir)
+        assert os.path.dirname(local.linked_from) == str(long)
+    finally:
+        os.rmdir(local.temp_dir)
 
 
 def test_with_ray_address_the_cluster_named_there_is_joined(monkeypatch):
     calls = []
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")
+    monkeypatch.setattr(local_ray, "check_reachable", lambda: None)  # nobody answers at head:10001 here
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     launch.connect_ray(ScalingConfig())

@@ -72,6 +72,42 @@ def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit
     assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
+def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
+    """A launch in which rank 1 alone asks to stop from its `after_checks`-th notice check on (as one rank that got
+    SIGTERM first would), with a check after every step whatever the machine's speed."""
+    import raysft.trainer
+
+    checks, every_s = [], raysft.trainer.NOTICE_CHECK_S
+
+    def stop_requested() -> bool:
+        checks.append(1)
+        return ctx.rank == 1 and len(checks) >= after_checks
+
+    raysft.trainer.NOTICE_CHECK_S = 0.0
+    try:
+        return launch(ctx, cfg, stop_requested=stop_requested)
+    finally:
+        raysft.trainer.NOTICE_CHECK_S = every_s
+
+
+def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tmp_path, gloo_pool, uninterrupted):
+    """The stop request of SIGTERM (raysft.signals) on rank 1 only: both ranks checkpoint the same step, say so and
+    return; the relaunch goes on from that checkpoint to the uninterrupted run's losses and weights, bit for bit."""
+    ref_losses, ref_weights = uninterrupted
+    cfg = run_config(tmp_path, "stopped", **{"checkpoint.every_n_steps": 100})
+    done = gloo_pool.run(launch_stopped_by_rank1, cfg, 5)
+    step = done[0]["step"]
+    assert step == done[1]["step"] == 5
+    assert [p.name for p in cfg.run_dir.glob("checkpoint_*")] == [f"checkpoint_{step:08d}"]
+    assert (cfg.run_dir / f"checkpoint_{step:08d}" / MANIFEST_FILE).is_file()
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "stopped"] == [step]
+    gloo_pool.run(launch, cfg)
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [step]
+    assert step_losses(cfg.run_dir) == ref_losses
+    weights = final_weights(cfg.run_dir, tmp_path / "hf")
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.name != MANIFEST_FILE)
 

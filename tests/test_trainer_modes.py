@@ -113,13 +113,13 @@ def test_token_budget_and_varlen_config_errors(tmp_path, sets, key):
 
 
 def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agrees_on(tmp_path, monkeypatch):
-    """Steps of 0.25 s: Ray is asked at step 1, then every 4 steps (rank 0's measure, broadcast), and a notice
-    is acted on at the step it is heard."""
+    """Steps of 0.25 s: Ray is asked at step 1, then every 4 steps (rank 0's measure, all-reduced), and a notice
+    is acted on at the step it is heard; a stop request raised at step 10 is acted on at the next check, step 13."""
     import time
     from types import SimpleNamespace
 
     import raysft.trainer
-    from raysft.trainer import PREEMPTION_CHECK_S, Trainer, WorkerContext
+    from raysft.trainer import NOTICE_CHECK_S, Trainer, WorkerContext
 
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(raysft.trainer, "time", SimpleNamespace(perf_counter=lambda: clock.now, time=time.time))
@@ -130,15 +130,19 @@ def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agr
     trainer.preemption_deadline = lambda: asked.append(trainer.state.step) or (
         time.time() + 600 if trainer.state.step >= 9 else None)
     trainer.deadline, trainer.last_chance_taken, trainer.save_s = None, False, 0.0
-    trainer.next_preemption_check, trainer.checked_at = 0, (0, 0.0)
+    trainer.stop_requested = lambda: trainer.state.step >= 10
+    trainer.next_notice_check, trainer.checked_at = 0, (0, 0.0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        due = []
-        for step in range(1, 12):
+        due, stops = [], []
+        for step in range(1, 15):
             clock.now, trainer.state.step = 0.25 * step, step
-            due.append(trainer._preemption_save_due(0.25))
+            preempted, stop = trainer._notices(0.25)
+            due.append(preempted)
+            stops.append(stop)
     finally:
         dist.destroy_process_group()
-    every = int(PREEMPTION_CHECK_S / 0.25)
-    assert asked == [1, 1 + every, 1 + 2 * every] == [1, 5, 9]
-    assert due == [step == 9 for step in range(1, 12)]  # the notice: checkpoint now
+    every = int(NOTICE_CHECK_S / 0.25)
+    assert asked == [1, 1 + every, 1 + 2 * every] == [1, 5, 9]  # not asked again once a notice came
+    assert due == [step == 9 for step in range(1, 15)]  # the notice: checkpoint now
+    assert stops == [step == 13 for step in range(1, 15)]

@@ -1,0 +1,232 @@
+"""Signals, and a local Ray among other Rays: SIGTERM to `raysft train` or to torchrun checkpoints the step the
+workers are at and exits 143 with a line saying how to resume; Ctrl-C stops at once without a checkpoint; two local
+runs on one machine each keep to their own Ray and show raysft's lines only, one of them under a RAY_TMPDIR too long
+for Ray's socket paths; a RAY_ADDRESS that nobody answers is named within seconds. That a stopped run resumes to the
+uninterrupted one is tests/test_run.py::test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env, cli_in_process, running
+
+from raysft.checkpoint import MANIFEST_FILE
+from raysft.lease import LEASE_FILE
+from raysft.metrics import read_metrics
+from raysft.signals import EXIT_SIGINT, EXIT_SIGTERM, DriverSignals, Stopped
+
+LONG_RUN = {"data.max_seq_len": 64, "train.max_steps": 100000, "train.warmup_steps": 1, "train.global_batch_size": 2,
+            "train.micro_batch_size": 1,
+            "train.log_every_n_steps": 1, "checkpoint.every_n_steps": 100000, "run.stop_grace_s": 60}
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RAY_PREFIX = re.compile(r"^\(\w+ pid=\d+(, ip=[\d.]+)?\) ")
+
+
+def sets(storage: Path, name: str, **over) -> list[str]:
+    return [a for k, v in {**LONG_RUN, "run.storage_path": storage, "run.name": name, **over}.items()
+            for a in ("--set", f"{k}={v}")]
+
+
+def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 420) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended early ({proc.returncode})"
+        if (run_dir / "metrics.jsonl").is_file() and any(m.get("step", 0) >= step and "loss" in m
+                                                          for m in read_metrics(run_dir)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{run_dir} did not reach step {step} in {timeout} s")
+
+
+def processes_with_env(entry: str) -> list[int]:
+    """This user's processes whose environment holds `entry` (a local Ray's processes inherit its RAY_TMPDIR)."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") and running(pid):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def wait_gone(entry: str, timeout: float = 60) -> list[int]:
+    """The processes still holding `entry` after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with_env(entry)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def assert_stopped_with_checkpoint(run_dir: Path, terminal: str) -> int:
+    """The run's stop event, its checkpoint of that step, the resume line, and the lease released."""
+    (stopped,) = [m for m in read_metrics(run_dir) if m.get("event") == "stopped"]
+    step = stopped["step"]
+    assert step >= 2
+    assert (run_dir / f"checkpoint_{step:08d}" / MANIFEST_FILE).is_file()
+    assert "raysft: stopped by SIGTERM" in terminal and "run the same command again" in terminal, terminal[-3000:]
+    assert not (run_dir / LEASE_FILE).exists()
+    return step
+
+
+# What Ray printed on a raysft terminal: another Ray's address, the token-authentication notice, the C++ E-line
+# about the PreemptionWatcher actor, its coloured INFO lines ("Started a local Ray instance").
+RAY_NOISE = ("Found multiple active Ray instances", "Token authentication", "core_worker.cc", " INFO ")
+
+
+def ray_noise(terminal: str) -> list[str]:
+    return [line for line in terminal.splitlines() if any(n in line for n in RAY_NOISE)]
+
+
+def raysft_lines(terminal: str) -> list[str]:
+    """raysft's own lines, and the workers' behind Ray's `(RayTrainWorker pid=N)` prefix."""
+    lines = [RAY_PREFIX.sub("", ANSI.sub("", line)) for line in terminal.splitlines()]
+    return [line for line in lines if line.startswith(("raysft: ", "step "))]
+
+
+def start_train(tmp_path: Path, name: str, env: dict, storage: Path, **over) -> subprocess.Popen:
+    """`raysft train` in a process group of its own (as a terminal's foreground job), its terminal in files."""
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "raysft", "train", *sets(storage, name, **over)], env=env,
+                                cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+
+
+def local_ray_gone(out: str) -> list[int]:
+    """The processes of the local Ray whose logs the launch printed, once they have had a minute to end."""
+    temp = re.search(r"its logs: (\S+)", out).group(1).split("/ray/session_latest")[0]
+    return wait_gone(f"RAY_TMPDIR={temp}")
+
+
+def test_signals_to_two_local_runs_beside_each_other(tmp_path):
+    """Run A under a RAY_TMPDIR of over 60 characters, run B beside it. Ctrl-C to B's process group: B exits 130 at
+    once, without a checkpoint or a traceback. SIGTERM to A's driver: A exits 143 with a checkpoint of the step it
+    was at and says how to resume. Neither leaves a process of its Ray or its lease, and neither terminal shows
+    Ray's lines about the other Ray or its own notices."""
+    long_tmp = tmp_path / "scratch-of-a-cluster-job" / "job-0042-with-a-long-name" / "raytmp"
+    long_tmp.mkdir(parents=True)
+    assert len(str(long_tmp)) >= 60
+    storage = tmp_path / "runs"
+    with cli_env() as env_b:
+        a = start_train(tmp_path, "a", {**env_b, "RAY_TMPDIR": str(long_tmp)}, storage)
+        b = start_train(tmp_path, "b", env_b, storage, **{"scaling.num_workers": 1})
+        try:
+            wait_for_step(storage / "b", b, 2)
+            os.killpg(b.pid, signal.SIGINT)  # what Ctrl-C on B's terminal sends
+            assert b.wait(timeout=120) == EXIT_SIGINT
+            wait_for_step(storage / "a", a, 2)
+            a.send_signal(signal.SIGTERM)
+            assert a.wait(timeout=120) == EXIT_SIGTERM
+        finally:
+            for p in (a, b):
+                if p.poll() is None:
+                    p.kill()
+    a_out, a_err, b_out, b_err = ((tmp_path / f).read_text() for f in ("a.out", "a.err", "b.out", "b.err"))
+    assert_stopped_with_checkpoint(storage / "a", a_err)
+    assert "raysft: stopped by Ctrl-C; no checkpoint" in b_err and "Traceback" not in b_out + b_err, b_err[-3000:]
+    assert not list((storage / "b").glob("checkpoint_*")) and not (storage / "b" / LEASE_FILE).exists()
+    logs = re.search(r"its logs: (\S+)", a_out).group(1)
+    assert Path(logs).is_dir() and re.search(rf"linked from {re.escape(str(long_tmp))}/raysft-ray-\w+", a_out)
+    assert local_ray_gone(a_out) == [] and local_ray_gone(b_out) == []  # GCS, raylet, workers: all gone
+    for terminal in (a_out + a_err, b_out + b_err):
+        assert ray_noise(terminal) == [] and "raysft: run " in terminal
+    assert "step 2/" in "".join(raysft_lines(a_out))  # the workers' lines still reach the terminal
+
+
+def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_exits(tmp_path):
+    """torchrun's agent forwards SIGTERM to both ranks; they agree on one step, checkpoint it and exit 143."""
+    import psutil
+
+    storage = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "raysft.run",
+           *sets(storage, "t")]
+    env = {"PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false", "HOME": str(tmp_path)}
+    with open(tmp_path / "t.err", "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_step(storage / "t", proc, 2)
+        ranks = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # torchrun's own agent ends with 1 and its SignalException traceback (torch's, not raysft's); the ranks exit 143
+    assert proc.returncode == 1
+    assert_stopped_with_checkpoint(storage / "t", (tmp_path / "t.err").read_text())
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctrl_c():
+    """DriverSignals around a blocking call: SIGTERM asks the workers (on_term) and waits for the call's return;
+    Ctrl-C gives up at once."""
+    import threading
+
+    asked = threading.Event()
+    signals = DriverSignals(grace_s=60, on_term=asked.set)
+    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(Stopped) as stop:
+        signals.run(lambda: asked.wait(60) and "result")
+    assert stop.value.checkpointed and stop.value.result == "result" and stop.value.exit_code == EXIT_SIGTERM
+
+    signals = DriverSignals(grace_s=60, on_term=lambda: None)
+    threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(Stopped) as stop:
+        signals.run(lambda: time.sleep(60))
+    assert time.monotonic() - start < 30
+    assert not stop.value.checkpointed and stop.value.exit_code == EXIT_SIGINT
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    # a driver run from a thread (raysft.train in a script's thread): signals are its caller's; the call just runs
+    box = []
+    thread = threading.Thread(target=lambda: box.append(DriverSignals(60, lambda: None).run(lambda: "ran")))
+    thread.start()
+    thread.join(60)
+    assert box == ["ran"]
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    code = ("import signal, os, time, threading, importlib.util\n"  # raysft.signals alone: no torch to import
+            "spec = importlib.util.spec_from_file_location('signals', 'raysft/signals.py')\n"
+            "signals = importlib.util.module_from_spec(spec); spec.loader.exec_module(signals)\n"
+            "DriverSignals = signals.DriverSignals\n"
+            "s = DriverSignals(60, lambda: None)\n"
+            "def twice():\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); os.kill(os.getpid(), signal.SIGINT)\n"
+            "threading.Timer(0.5, twice).start()\n"
+            "try:\n"
+            "    s.run(lambda: time.sleep(60))\n"
+            "except Exception:\n"
+            "    time.sleep(60)  # where a shutdown would hang\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_SIGINT and "Traceback" not in done.stderr, done.stderr
+    assert time.monotonic() - start < 50
+
+
+def test_a_ray_address_nobody_answers_is_named_within_the_connect_timeout(tmp_path, monkeypatch):
+    """A closed port on loopback: Ray alone retries it for minutes; raysft names RAY_ADDRESS before tokenizing."""
+    from raysft import local_ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nobody listens there
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    if "RAYSFT_RAY_CONNECT_TIMEOUT_S" not in os.environ:
+        assert local_ray.CONNECT_TIMEOUT_S == 30  # the default: well within a minute
+    monkeypatch.setattr(local_ray, "CONNECT_TIMEOUT_S", 2.0)
+    start = time.monotonic()
+    done = cli_in_process("train", "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "run.name=x")
+    assert time.monotonic() - start < 30
+    assert done.returncode == 1
+    assert f"RAY_ADDRESS=127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}" in done.stderr
+    assert not (tmp_path / "runs" / "datasets").exists()  # refused before the data is tokenized
