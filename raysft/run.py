@@ -21,13 +21,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
+from raysft.checkpoint import DirectorySink, NonFiniteStateError, UploadSink, existing_checkpoint_names, scratch_root
 from raysft.collectives import from_rank0
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.lease import RunInUse, RunLease
 from raysft.resume import Stores, prepare_launch
 from raysft.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
+from raysft.step_guard import TrainingDivergedError
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
+
+# Errors every rank raises at the same step, which no relaunch would change (under Ray: launch.NOT_RETRIED)
+RUN_ENDING = (TrainingDivergedError, NonFiniteStateError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
     args = parser.parse_args(argv)
     ctx = init_distributed()
-    code = 1
+    code, agreed = 1, False
     try:
         config = load_config(args.config, args.overrides)
         signals = WorkerSignals(config.run.stop_grace_s)
@@ -52,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         if ctx.rank == 0:
             print(f"raysft: config error: {e}", file=sys.stderr)
         code = 2
+    except RUN_ENDING as e:  # raised on every rank at the same step: a message as `raysft train` prints, no traceback
+        if ctx.rank == 0:
+            print(f"raysft: error: {type(e).__name__}: {e}", file=sys.stderr)
+        code, agreed = 1, True
     except KeyboardInterrupt:
         if ctx.rank == 0:
             print(stop_message(signal.SIGINT, None, None).splitlines()[0], file=sys.stderr)
         code = EXIT_SIGINT
     finally:
-        end_distributed(agreed=code in (0, 2, EXIT_SIGTERM))
+        end_distributed(agreed=agreed or code in (0, 2, EXIT_SIGTERM))
     return code
 
 

@@ -128,6 +128,11 @@ def test_torchrun_runs_the_documented_command(tmp_path):
     done = subprocess.run([*common, *sets], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "cli" / "checkpoint_00000002" / MANIFEST_FILE).is_file()
+    # a run that diverges ends every rank with the error's name and message, as `raysft train` does, no traceback
+    diverged = [*sets, "--set", "run.name=nan", "--set", "train.lr=1e20", "--set", "train.max_skipped_steps=1"]
+    done = subprocess.run([*common, *diverged], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "raysft: error: TrainingDivergedError: step 2: 1 steps in a row" in done.stderr
+    assert "raysft/trainer.py" not in done.stderr, done.stderr[-3000:]  # no rank's traceback
 
 
 def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, uninterrupted, gloo_pool,
