@@ -17,9 +17,13 @@ $(BIN)/raysft: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	@touch $@
 
-.PHONY: demo test
+.PHONY: demo test test-fast
 demo: $(BIN)/raysft
 	$(BIN)/raysft train jobs/configs/demo.yaml --export runs/demo-model --prompt "What is the capital of France?"
 
 test: $(BIN)/raysft
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# For a developer's loop: no Ray, no fault scenarios, no benchmark harnesses (tests marked slow). CI runs `make test`.
+test-fast: $(BIN)/raysft
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

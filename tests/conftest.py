@@ -28,6 +28,14 @@ REPO = Path(__file__).resolve().parent.parent
 TEST_DATA = REPO / "tests" / "data"
 
 
+def pytest_collection_modifyitems(items):
+    """A test that takes a Ray cluster fixture is slow: `make test-fast` (-m "not slow") leaves it out. Modules
+    that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """One local Ray per test module (4 logical CPUs: room for 2 workers and a second concurrent task)."""

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO, cli_env
 
+pytestmark = pytest.mark.slow  # whole benchmarks, one of them under Ray: not in make test-fast
+
 TOY = ["--hidden", "128", "--layers", "2", "--seq-len", "128", "--micro-batch", "2", "--data", "builtin:demo"]
 
 

@@ -15,7 +15,7 @@ import raysft
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason
 from raysft.metrics import read_metrics
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 

@@ -36,6 +36,7 @@ def on_a_terminal(*args: str, env: dict, stdout_file) -> tuple[int, str]:
     return proc.wait(timeout=600), seen.decode(errors="replace")
 
 
+@pytest.mark.slow  # a real raysft train on a local Ray
 def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env):
     code, terminal = on_a_terminal(
         "train", "jobs/configs/demo.yaml", "--set", "train.max_steps=6", "--set", "checkpoint.every_n_steps=3",

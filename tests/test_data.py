@@ -404,7 +404,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-@pytest.mark.parametrize("prepare", ["local", "ray"])
+@pytest.mark.parametrize("prepare", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_a_full_store_disk_is_named_and_with_space_again_a_whole_store_is_written(tmp_path, tok, small_disk, prepare,
                                                                                   request):
     """ENOSPC during prepare: StoreFull naming data.store_dir, no torn store left to be reused, the directory's

@@ -30,6 +30,8 @@ from raysft.config import ConfigError
 from raysft.launch import CannotPlaceWorkers
 from raysft.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
+
 STEPS, EVERY = 24, 6
 # Ray Train's timings, shortened for tests (the driver passes them on to Ray's controller and workers).
 RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",

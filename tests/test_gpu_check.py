@@ -13,6 +13,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
 import check  # noqa: E402
 
+pytestmark = pytest.mark.slow  # runs the whole device check (about 40 s): not in make test-fast
 STEPS = ["environment", "tests", "prepare", "throughput", "profile", "determinism", "checkpoint"]
 
 

@@ -18,6 +18,8 @@ from raysft.launch import ray_worker_context
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
+
 WORKERS_PER_NODE = 2
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, http_status, running
 
+pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
+
 LOCAL_SH = REPO / "cluster" / "local.sh"
 # The ray executable local.sh starts the nodes with; its directory goes first on the nodes' PATH.
 VENV_RAY = REPO / ".venv" / "bin" / "ray"

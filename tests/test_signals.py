@@ -21,6 +21,8 @@ from raysft.lease import LEASE_FILE
 from raysft.metrics import read_metrics
 from raysft.signals import EXIT_SIGINT, EXIT_SIGTERM, DriverSignals, Stopped
 
+pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
+
 LONG_RUN = {"data.max_seq_len": 64, "train.max_steps": 100000, "train.warmup_steps": 1, "train.global_batch_size": 2,
             "train.micro_batch_size": 1,
             "train.log_every_n_steps": 1, "checkpoint.every_n_steps": 100000, "run.stop_grace_s": 60}

@@ -35,6 +35,8 @@ from raysft.storage import Location, location
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
+
 BUCKET = "raysft"
 STEPS = 8
 

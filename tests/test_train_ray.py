@@ -18,7 +18,7 @@ from raysft.metrics import read_metrics
 from raysft.step_guard import TrainingDivergedError
 from raysft.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 PROBE = torch.tensor([[5, 60, 70, 80, 90, 100, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14]])
 
 
