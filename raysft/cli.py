@@ -14,13 +14,13 @@ from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generat
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest, store_files
+from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch import train
 from raysft.metrics import METRICS_FILE, ProgressBar
 from raysft.report import draw, read_curves
 from raysft.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.storage import location
-from raysft.tokenizer import load_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,7 +39,7 @@ from raysft.checkpoint import (
     existing_checkpoint_names,
     scratch_root,
 )
-from raysft.config import ConfigError, TrainConfig
+from raysft.config import ConfigError, TrainConfig, config_from_dict
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.lease import RunLease
 from raysft.local_ray import check_reachable, connect
@@ -203,7 +203,7 @@ def check_cluster_can_place(scaling: RaysftScaling) -> None:
 
 
 def _train_fn(loop_config: dict) -> None:
-    cfg = TrainConfig.from_dict(loop_config["config"])
+    cfg = config_from_dict(loop_config["config"])
     if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
         use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
     _quiet_report_lines()

@@ -19,10 +19,10 @@ from transformers import PreTrainedTokenizerBase
 from raysft.attention import check_attention
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.loss import check_chunked_loss
 from raysft.model import load_model_config
 from raysft.storage import Location, location, native
-from raysft.tokenizer import load_tokenizer
 from raysft.trackers import check_trackers
 
 RUN_FILE = "raysft_run.json"

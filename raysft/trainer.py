@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, TrainState, find_resume_dir
 from raysft.collectives import any_rank
 from raysft.config import TrainConfig
-from raysft.dataloader import (
+from raysft.data.dataloader import (
     DataCursor,
     GlobalBatchSampler,
     TokenizedDataset,
@@ -29,6 +29,7 @@ from raysft.dataloader import (
     to_device,
     token_budget_micro_batches,
 )
+from raysft.data.tokenizer import load_tokenizer
 from raysft.evaluation import Evaluator
 from raysft.lora import add_adapters, record
 from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
@@ -50,7 +51,6 @@ from raysft.model import (
 from raysft.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
 from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize
 from raysft.step_guard import StepGuard
-from raysft.tokenizer import load_tokenizer
 
 
 def use_deterministic_kernels(device: torch.device) -> None:

@@ -19,8 +19,8 @@ MARKER = "ran.txt"  # what the directory's code writes when it is imported
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The demo model as a pretrained directory: config.json, model.safetensors and the tokenizer."""
+    from raysft.data.tokenizer import load_tokenizer
     from raysft.model import build_full_model, load_model_config
-    from raysft.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("pretrained")
     tokenizer = load_tokenizer(ModelConfig())

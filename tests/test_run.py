@@ -19,10 +19,10 @@ from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, STATE_FILE, Checkpoint
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.cli import main as cli
 from raysft.data import IGNORE_INDEX, prepare_store, read_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.demo import DEMO_CONVERSATIONS
 from raysft.metrics import read_metrics
 from raysft.run import launch
-from raysft.tokenizer import load_tokenizer
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -15,10 +15,10 @@ from conftest import tiny_config
 from safetensors.torch import load_file
 
 from raysft.checkpoint import DirectorySink
-from raysft.config import TrainConfig
+from raysft.config import TrainConfig, config_from_dict
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.metrics import read_metrics
-from raysft.tokenizer import load_tokenizer
 
 STEPS = 6
 BASE = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.mode": "full",
@@ -40,7 +40,7 @@ def _run(rank: int, world_size: int, init: str, runs: list[tuple[str, dict, str 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         for _, cfg_dict, resume in runs:
-            cfg = TrainConfig.from_dict(cfg_dict)
+            cfg = config_from_dict(cfg_dict)
             trainer = Trainer(cfg, Path(store), Path(resume) if resume else None, DirectorySink(cfg.run_dir, rank),
                               WorkerContext(rank, world_size, torch.device("cpu")))
             if cfg.parallel.compile:

@@ -8,6 +8,8 @@ Modules, by role:
   sharded       every rank writes its own DCP shards; loads reshard to any topology
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
   state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors
+  trainable     what is saved of a model with frozen parameters (LoRA): only what trains, its names checked
+  dcp_read      DCP directories read without running code from them (a safe unpickler for the index)
   sinks         where parts are written and how a finished checkpoint is committed (run dir, upload, Ray)
   discovery     names, the checkpoint to resume from
   retention     which checkpoints are kept (keep, keep_best) and which one `latest`, `best` or a step means

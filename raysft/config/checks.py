@@ -1,13 +1,13 @@
 """The checks a configuration must pass beyond its types: ranges, values that must agree with each other, files
-that must exist, optional libraries that must be installed. Run once when a TrainConfig is made, so a mistake fails
-on the driver with the key's name, before any worker starts."""
+that must exist, optional libraries that must be installed. raysft.config.load runs them once on every configuration
+it reads, so a mistake fails on the driver with the key's name, before any worker starts."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from raysft.config import (
+from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
     BUILTIN,
     TRACKERS,
@@ -185,17 +185,26 @@ def _validate_lora(lora: LoraConfig) -> None:
 def _validate_parallel(p: ParallelConfig, num_workers: int) -> None:
     """What can be checked before Ray places the workers; the node layout is checked in the workers."""
     _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
+    parallel_layout(p, num_workers)
+
+
+def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int] | None:
+    """The (replicate, shard) sizes that the configuration fixes for `num_workers` workers, checked: the one place
+    the layout is validated, on the driver for every worker count and in the workers for the mesh
+    (raysft.parallelize.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes."""
     shard = p.hsdp_shard_size
     _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
     if p.sharding != "HYBRID_SHARD":
         _require(shard == 0, "parallel.hsdp_shard_size", f"applies to HYBRID_SHARD only (sharding is {p.sharding})")
-        return
+        return (num_workers, 1) if p.sharding == "NO_SHARD" else (1, num_workers)
     _require(num_workers >= 4, "parallel.sharding",
              f"HYBRID_SHARD needs at least 4 workers (2 replicas of a shard group of 2 or more), got "
              f"scaling.num_workers={num_workers}; use FULL_SHARD")
-    if shard:
-        _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
-                 f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
-        _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
-                 f"shard-group size {shard} of {num_workers} workers leaves "
-                 f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
+    if not shard:
+        return None
+    _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
+             f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
+    _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
+             f"shard-group size {shard} of {num_workers} workers leaves "
+             f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
+    return num_workers // shard, shard
