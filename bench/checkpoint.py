@@ -45,7 +45,7 @@ def _measure(loop: dict) -> None:
 
     from raysft.checkpoint import checkpoint_dirs
     from raysft.config import config_from_dict
-    from raysft.launch import ray_sink, ray_worker_context
+    from raysft.ray_worker import ray_sink, ray_worker_context
     from raysft.trainer import Trainer
 
     ctx = ray_worker_context()

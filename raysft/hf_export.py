@@ -30,7 +30,7 @@ from raysft.checkpoint import (
 )
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
 from raysft.lora_export import merged_weights, write_adapter
-from raysft.resume import RUN_FILE
+from raysft.prelaunch import RUN_FILE
 from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = "model.safetensors.index.json"

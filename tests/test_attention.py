@@ -23,7 +23,7 @@ from raysft.config import ConfigError
 from raysft.data.dataloader import collate
 from raysft.data.tokenizer import load_tokenizer
 from raysft.loss import full_logits_loss_sum
-from raysft.resume import check_model
+from raysft.prelaunch import check_model
 
 
 def tiny_model(attn: str):

@@ -15,7 +15,7 @@ from raysft.checkpoint import DirectorySink
 from raysft.config import config_from_dict
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.launch import ray_worker_context
+from raysft.ray_worker import ray_worker_context
 from raysft.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast

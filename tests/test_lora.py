@@ -247,7 +247,7 @@ def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_che
 
 
 def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
-    from raysft.resume import check_model
+    from raysft.prelaunch import check_model
 
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj, qkv_proj]"])
     check_model(cfg, load_tokenizer(cfg.model, "auto"))  # peft adapts the layers that match any name
@@ -291,7 +291,7 @@ def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_a
 
 
 def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_settings(tmp_path):
-    from raysft.resume import claim_run_dir
+    from raysft.prelaunch import claim_run_dir
 
     changes = [("r", 4, 0), ("r", 0, 4), ("r", 4, 8), ("alpha", 8, 16), ("dropout", 0.0, 0.1),
                ("target_modules", "[q_proj, v_proj, down_proj]", "[q_proj, v_proj]")]

@@ -28,10 +28,10 @@ from raysft.checkpoint.dcp_read import StorageReader
 from raysft.config import ConfigError, TrainConfig, config_from_dict
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.launch import FATAL_ERROR_FILE, ray_worker_context
 from raysft.lease import LEASE_FILE, RunInUse, RunLease
 from raysft.metrics import MetricsLogger, read_metrics
-from raysft.resume import RUN_FILE, claim_run_dir
+from raysft.prelaunch import RUN_FILE, claim_run_dir
+from raysft.ray_worker import FATAL_ERROR_FILE, ray_worker_context
 from raysft.storage import Location, location
 from raysft.trainer import Trainer
 
@@ -119,7 +119,7 @@ def test_location_lists_reads_writes_and_moves_objects(prefix):
 
 
 def test_workers_reach_the_store_through_the_drivers_filesystem_without_the_endpoint_setting(prefix):
-    """What _train_fn does with the filesystem Ray pickles from the driver, in a process whose environment
+    """What train_worker does with the filesystem Ray pickles from the driver, in a process whose environment
     has the credentials but not AWS_ENDPOINT_URL_S3 (a worker node's, say)."""
     root = location(prefix)
     (root / "probe.txt").write_text("hello")

@@ -33,7 +33,7 @@ from raysft.cli import main
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import EXPORT_FILE, export
-from raysft.resume import claim_run_dir
+from raysft.prelaunch import claim_run_dir
 from raysft.trainer import Trainer, WorkerContext
 
 

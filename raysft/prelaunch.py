@@ -1,4 +1,5 @@
-"""Which run a launch continues and from which checkpoint.
+"""What a launch does on the driver before any worker starts: the tokenized stores, the checks every worker would
+fail alike (tokenizer, model files, attention, batch), and the run directory claimed with its identity.
 
 A run is its directory `<run.storage_path>/<run.name>`, local or on remote storage (raysft.storage). Launching again
 with the same name continues it, so what defines the run (the data, the model, the seed of the data order) is
