@@ -21,8 +21,9 @@ from raysft.attention import check_attention
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
+from raysft.lora import add_adapters
 from raysft.loss import check_chunked_loss
-from raysft.model import load_model_config
+from raysft.model import build_meta_model, load_model_config
 from raysft.storage import Location, location, native
 from raysft.trackers import check_trackers
 
@@ -69,9 +70,6 @@ def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)
     if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
-        from raysft.lora import add_adapters
-        from raysft.model import build_meta_model
-
         add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
 
 
