@@ -75,19 +75,19 @@ def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit
 def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
     """A launch in which rank 1 alone asks to stop from its `after_checks`-th notice check on (as one rank that got
     SIGTERM first would), with a check after every step whatever the machine's speed."""
-    import raysft.trainer
+    import raysft.checkpoint.checkpointer as checkpointer_module
 
-    checks, every_s = [], raysft.trainer.NOTICE_CHECK_S
+    checks, every_s = [], checkpointer_module.NOTICE_CHECK_S
 
     def stop_requested() -> bool:
         checks.append(1)
         return ctx.rank == 1 and len(checks) >= after_checks
 
-    raysft.trainer.NOTICE_CHECK_S = 0.0
+    checkpointer_module.NOTICE_CHECK_S = 0.0
     try:
         return launch(ctx, cfg, stop_requested=stop_requested)
     finally:
-        raysft.trainer.NOTICE_CHECK_S = every_s
+        checkpointer_module.NOTICE_CHECK_S = every_s
 
 
 def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tmp_path, gloo_pool, uninterrupted):
