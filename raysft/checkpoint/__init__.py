@@ -1,8 +1,8 @@
 """Checkpoints of the whole training state, and the one object that takes them (`Checkpointer`).
 
 Modules, by role:
-  checkpointer  cadence, layout choice, one save at a time in the background, commit through a Sink, load; no
-                save of NaN or inf
+  checkpointer  when to save (cadence, preemption notices, stop requests: Checkpointer.due), layout choice, one
+                save at a time in the background, commit through a Sink, load; no save of NaN or inf
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
   full          rank 0 gathers and writes an HF model directory (model.safetensors) plus the optimizer state
   sharded       every rank writes its own DCP shards; loads reshard to any topology
