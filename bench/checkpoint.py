@@ -44,12 +44,12 @@ def _measure(loop: dict) -> None:
     import torch.distributed as dist
 
     from raysft.checkpoint import checkpoint_dirs
-    from raysft.config import TrainConfig
-    from raysft.launch import ray_sink, ray_worker_context
+    from raysft.config import config_from_dict
+    from raysft.ray_worker import ray_sink, ray_worker_context
     from raysft.trainer import Trainer
 
     ctx = ray_worker_context()
-    cfg = TrainConfig.from_dict(loop["config"])
+    cfg = config_from_dict(loop["config"])
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, Path(loop["store"]), None, ray_sink(cfg, ctx.rank, frozenset()), ctx)
     checkpointer = trainer.checkpointer

@@ -42,7 +42,7 @@ class Setup:
 
         from raysft.config import load_config
         from raysft.data import prepare_store
-        from raysft.tokenizer import load_tokenizer
+        from raysft.data.tokenizer import load_tokenizer
 
         self.args = args
         self.work = work or Path(tempfile.mkdtemp(prefix=f"raysft-bench-{name}-"))

@@ -14,7 +14,7 @@ import sys, time, numpy as np, pyarrow.parquet as pq
 from pathlib import Path
 def rss(kind="RssAnon"):  # anonymous memory: the process's own; RssFile is page cache it maps (shared)
     return int(open("/proc/self/status").read().split(kind + ":")[1].split()[0]) / 1024
-from raysft.dataloader import TokenizedDataset, collate
+from raysft.data.dataloader import TokenizedDataset, collate
 store, how = Path(sys.argv[1]), sys.argv[2]
 base, base_file = rss(), rss("RssFile"); t = time.perf_counter()
 if how == "old":

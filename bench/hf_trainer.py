@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from raysft.data import IGNORE_INDEX
-from raysft.dataloader import TokenizedDataset
+from raysft.data.dataloader import TokenizedDataset
 
 
 class PaddedToMax(torch.utils.data.Dataset):

@@ -31,8 +31,8 @@ def _measure(loop: dict) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from raysft.checkpoint import DirectorySink
-    from raysft.config import TrainConfig
-    from raysft.launch import ray_worker_context
+    from raysft.config import config_from_dict
+    from raysft.ray_worker import ray_worker_context
     from raysft.trainer import Trainer
 
     ctx = ray_worker_context()
@@ -42,7 +42,7 @@ def _measure(loop: dict) -> None:
         trim_heap()
     before_model = read()
     with PeakSampler(read) as init:
-        cfg = TrainConfig.from_dict(loop["config"])
+        cfg = config_from_dict(loop["config"])
         trainer = Trainer(cfg, Path(loop["store"]), None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     if gpu:
         torch.cuda.reset_peak_memory_stats(ctx.device)

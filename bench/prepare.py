@@ -28,7 +28,7 @@ from pathlib import Path
 from raysft.config import DataConfig, ModelConfig
 from raysft.data import prepare_store
 from raysft.demo import DEMO_CHAT_TEMPLATE
-from raysft.tokenizer import load_tokenizer
+from raysft.data.tokenizer import load_tokenizer
 import raysft
 data, template, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tok = load_tokenizer(ModelConfig(), "vicuna" if template == "vicuna" else "auto")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from raysft.config import TrainConfig
+from raysft.config import config_from_dict
 from raysft.run import end_distributed, init_distributed, prepare_on_rank0, run_trainer
 from raysft.signals import exit_process
 from raysft.trainer import Trainer
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--profile", default="")
     parser.add_argument("--profile-from", type=int, default=1)
     args = parser.parse_args()
-    cfg = TrainConfig.from_dict(json.loads(Path(args.config).read_text()))
+    cfg = config_from_dict(json.loads(Path(args.config).read_text()))
     ctx = init_distributed()
     done = False
     try:

@@ -3,7 +3,7 @@
 A packed micro-batch is one row of samples back to back. With SDPA, transformers keeps attention inside each sample
 through a block-causal mask that it builds from the restarting position_ids, and a masked SDPA cannot use the flash
 kernel. Here the sample boundaries come as cumulative lengths (`cu_seq_lens_q/k`, transformers' flash-attention
-kwargs, built on the CPU by `raysft.dataloader.collate`), and attention runs per sample:
+kwargs, built on the CPU by `raysft.data.dataloader.collate`), and attention runs per sample:
 
 - on CUDA in bf16/fp16, `torch.nn.attention.varlen.varlen_attn` (flash varlen, part of torch; no mask at all);
 - elsewhere (CPU, or fp32 on CUDA, which flash does not take), causal SDPA over each sample's slice of the row:

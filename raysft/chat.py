@@ -24,8 +24,8 @@ from raysft.checkpoint import (
     incomplete_reason,
     read_trainer_state,
 )
+from raysft.data.labels import stop_token_ids
 from raysft.hf_export import export
-from raysft.labels import stop_token_ids
 from raysft.lora_export import ADAPTER_CONFIG, load_adapter_dir
 from raysft.model_files import check_model_dir
 

@@ -1,4 +1,7 @@
-"""`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report)."""
+"""`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report).
+
+Only `train` needs Ray: it reaches raysft.launch through `raysft.train`, which imports Ray on first use, so that
+`export`, `chat`, `report` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
 
 from __future__ import annotations
 
@@ -7,23 +10,22 @@ import contextlib
 import signal
 import sys
 
-import ray
 import transformers
 
+import raysft
 from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest, store_files
+from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
-from raysft.launch import train
 from raysft.metrics import METRICS_FILE, ProgressBar
 from raysft.report import draw, read_curves
 from raysft.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.storage import location
-from raysft.tokenizer import load_tokenizer
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raysft", description="Distributed SFT of LLaMA-style models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -63,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     p_report = sub.add_parser("report", help=f"plot a run's loss and tokens/s from its {METRICS_FILE}")
     p_report.add_argument("run_dir")
     p_report.add_argument("--out", metavar="FILE.png", help="where to write the plot (default: RUN_DIR/report.png)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train" and args.prompt and not args.export:
         parser.error("--prompt needs --export DIR")
@@ -104,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _end_stopped(code: int) -> None:
     """A stopped `raysft train` ends here: the local Ray it started goes down with all its processes (the call
-    that waited on Ray Train may still be inside Ray's client, so the process does not finalize: see exit_process)."""
-    ray.shutdown()
+    that waited on Ray Train may still be inside Ray's client, so the process does not finalize: see exit_process).
+    Ray is in sys.modules only if this command used it (train; prepare on a cluster)."""
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        ray.shutdown()
     exit_process(code)
 
 
@@ -124,7 +134,7 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
         check_export_target(export_dir, overwrite, location(config.run_dir))  # before training, not after it
     interactive = sys.stderr.isatty()  # a bar with ETA on a terminal; logs get the workers' plain lines
     with ProgressBar(config.run_dir, config.train.max_steps) if interactive else contextlib.nullcontext():
-        result = train(config, fresh=fresh)
+        result = raysft.train(config, fresh=fresh)
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run.name} finished without a checkpoint in {config.run_dir}")
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")

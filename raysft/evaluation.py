@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raysft.config import TrainConfig
-from raysft.dataloader import TokenizedDataset, collate, to_device
+from raysft.data.dataloader import TokenizedDataset, collate, to_device
 from raysft.loss import loss_inputs, micro_batch_loss_sum
 
 

@@ -28,9 +28,10 @@ from raysft.checkpoint import (
     read_index,
     read_trainer_state,
 )
-from raysft.dcp_read import SafeLoadPlanner, dcp_reader
+from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
+from raysft.data.labels import stop_token_ids
 from raysft.lora_export import merged_weights, write_adapter
-from raysft.resume import RUN_FILE
+from raysft.prelaunch import RUN_FILE
 from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -188,8 +189,6 @@ def _set_config_dtype(out: Path, dtype: torch.dtype) -> None:
 def write_generation_config(out: Path) -> None:
     """generation_config.json with the chat template's stop tokens as eos_token_id (kept from an existing one)."""
     from transformers import AutoTokenizer, GenerationConfig
-
-    from raysft.labels import stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=False)
     existing = GenerationConfig.from_pretrained(out) if (out / "generation_config.json").is_file() else None

@@ -3,7 +3,7 @@
 The adapters are added in place (`peft.inject_adapter_in_model`), so the model keeps its class and FSDP2 shards
 each decoder layer with its frozen base weights and trainable adapters in one parameter group; only the adapters
 get gradients, a gradient reduction and optimizer state. Checkpoints hold only what trains
-(`state_dict_options`: torch's ignore_frozen_params); the frozen base always comes from where the run started:
+(raysft.checkpoint.trainable: torch's ignore_frozen_params); the frozen base always comes from where the run started:
 `model.path`, or the from-scratch initialization with `train.seed`, rebuilt on every launch. A LoRA checkpoint
 records that in its trainer_state.json (`record`), and exports as a peft adapter directory or merged into a full
 Hugging Face model (raysft.lora_export).
@@ -18,9 +18,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from raysft.config import LoraConfig, TrainConfig
+from raysft.config import ConfigError, LoraConfig, TrainConfig
 
 ADAPTER = "default"  # peft's adapter name; raysft trains one adapter
 
@@ -54,44 +53,12 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int | None = None) -> 
 
 
 def _config_error(e: Exception, targets: Iterable[str]) -> None:
-    from raysft.config import ConfigError
-
     raise ConfigError(f"config key 'model.lora.target_modules': {list(targets)} cannot be adapted: {e}") from e
 
 
 def is_adapter(name: str) -> bool:
     """A LoRA parameter's name (peft's lora_A / lora_B of raysft's one adapter)."""
     return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
-
-
-def has_frozen_parameters(model: nn.Module) -> bool:
-    return any(not p.requires_grad for p in model.parameters())
-
-
-def state_dict_options(model: nn.Module, **options: bool) -> StateDictOptions:
-    """StateDictOptions for the training state of `model`: with frozen parameters (LoRA) only what trains is saved
-    and loaded (ignore_frozen_params); loading is then not strict, since the frozen base is not in the checkpoint
-    (raysft checks the adapters' names itself: `check_adapter_names`)."""
-    frozen = has_frozen_parameters(model)
-    return StateDictOptions(**options, ignore_frozen_params=frozen, strict=not frozen)
-
-
-def check_adapter_names(model: nn.Module, names: Iterable[str], where: str) -> None:
-    """Loading without strict would keep the initial value of an adapter a checkpoint lacks: refuse that instead."""
-    from raysft.checkpoint import CheckpointError
-
-    expected = {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}
-    got = set(names)
-    if got != expected:
-        missing, extra = sorted(expected - got), sorted(got - expected)
-        raise CheckpointError(f"{where}: the checkpoint's trainable tensors do not match the model's: "
-                              f"{len(missing)} missing ({missing[:2]}), {len(extra)} unexpected ({extra[:2]}): "
-                              "another model.lora or model (the run identity should have refused it)")
-
-
-def clean_name(name: str) -> str:
-    """A parameter's state-dict name: without the wrappers that activation checkpointing and compile add."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def record(cfg: TrainConfig) -> dict | None:

@@ -21,8 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from raysft.config import LoraConfig
+from raysft.checkpoint import CheckpointError
+from raysft.config import LoraConfig, ModelConfig
 from raysft.lora import ADAPTER, peft_config
+from raysft.model import build_full_model, tied_parameter_aliases
 from raysft.model_files import check_config_file, check_model_dir
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -64,8 +66,6 @@ class _Merged:
                 self.pairs[f"{layer}.weight"] = (a, adapters[f"{layer}.lora_B.{ADAPTER}.weight"])
         unknown = sorted(set(self.pairs) - set(self.sizes))
         if unknown:
-            from raysft.checkpoint import CheckpointError
-
             raise CheckpointError(f"the base has no weight {unknown[0]} to merge the adapters into (another base?)")
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -122,8 +122,6 @@ class _InMemory:
 def _base_weights(base: dict, config_dir: Path):
     if base["path"]:
         return _SafetensorsDir(Path(base["path"]).expanduser())
-    from raysft.model import tied_parameter_aliases
-
     model = scratch_base(config_dir, base["seed"])
     aliases = tied_parameter_aliases(model)
     return _InMemory({k: v for k, v in model.state_dict().items() if k not in aliases})
@@ -133,9 +131,6 @@ def scratch_base(config_dir: Path, seed: int) -> nn.Module:
     """The base of a run trained from scratch: the seeded initialization of the config in config_dir, the same
     as every launch of the run built (raysft.model.build_full_model)."""
     from transformers import AutoConfig
-
-    from raysft.config import ModelConfig
-    from raysft.model import build_full_model
 
     check_config_file(config_dir / "config.json")
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True, trust_remote_code=False)

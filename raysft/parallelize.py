@@ -20,7 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from raysft.config import ConfigError, ParallelConfig
+from raysft.config import ConfigError, ParallelConfig, parallel_layout
 from raysft.model import decoder_layer_classes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,18 +45,8 @@ class MeshShape:
 def mesh_shape(cfg: ParallelConfig, node_ranks: Sequence[int]) -> MeshShape:
     """The mesh for `cfg.sharding`, given every worker's node rank in world-rank order (Ray groups each node's
     workers under consecutive ranks). Raises ConfigError before any model is built."""
-    world_size = len(node_ranks)
-    if cfg.sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        return MeshShape(1, world_size)
-    if cfg.sharding == "NO_SHARD":
-        return MeshShape(world_size, 1)
-    if cfg.hsdp_shard_size:  # explicit shard-group size: consecutive ranks, wherever they run
-        shard = cfg.hsdp_shard_size
-        if world_size % shard:
-            raise ConfigError(f"config key 'parallel.hsdp_shard_size': shard-group size {shard} does not divide "
-                              f"the world size {world_size}")
-        return MeshShape(world_size // shard, shard)
-    return MeshShape(*_replicas_and_workers_per_node(node_ranks))
+    fixed = parallel_layout(cfg, len(node_ranks))
+    return MeshShape(*(fixed or _replicas_and_workers_per_node(node_ranks)))
 
 
 def _replicas_and_workers_per_node(node_ranks: Sequence[int]) -> tuple[int, int]:

@@ -25,12 +25,12 @@ from raysft.checkpoint import DirectorySink, NonFiniteStateError, UploadSink, ex
 from raysft.collectives import from_rank0
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.lease import RunInUse, RunLease
-from raysft.resume import Stores, prepare_launch
+from raysft.prelaunch import Stores, prepare_launch
 from raysft.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.step_guard import TrainingDivergedError
 from raysft.trainer import Trainer, WorkerContext, resume_trainer
 
-# Errors every rank raises at the same step, which no relaunch would change (under Ray: launch.NOT_RETRIED)
+# Errors every rank raises at the same step, which no relaunch would change (under Ray: ray_worker.NOT_RETRIED)
 RUN_ENDING = (TrainingDivergedError, NonFiniteStateError)
 
 

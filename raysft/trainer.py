@@ -4,7 +4,6 @@ from)."""
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import warnings
@@ -13,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, TrainState, find_resume_dir
-from raysft.collectives import any_rank
 from raysft.config import TrainConfig
-from raysft.dataloader import (
+from raysft.data.dataloader import (
     DataCursor,
     GlobalBatchSampler,
     TokenizedDataset,
@@ -29,6 +26,7 @@ from raysft.dataloader import (
     to_device,
     token_budget_micro_batches,
 )
+from raysft.data.tokenizer import load_tokenizer
 from raysft.evaluation import Evaluator
 from raysft.lora import add_adapters, record
 from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
@@ -50,7 +48,6 @@ from raysft.model import (
 from raysft.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
 from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize
 from raysft.step_guard import StepGuard
-from raysft.tokenizer import load_tokenizer
 
 
 def use_deterministic_kernels(device: torch.device) -> None:
@@ -63,9 +60,6 @@ def use_deterministic_kernels(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-
-
-NOTICE_CHECK_S = 1.0  # how often the ranks look for a preemption notice or a stop request (a barrier each)
 
 
 @dataclass
@@ -91,11 +85,8 @@ def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink
 class Trainer:
     """Builds the sharded model, optimizer and data on this worker; `train()` runs to cfg.train.max_steps.
 
-    `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
-    which a node of this run will be taken away. The loop checkpoints as soon as it hears of it, and once more
-    when the deadline is nearer than two steps and a save, so that only the steps after that are redone.
-    `stop_requested` is local (a SIGTERM reached this process or its driver, raysft.signals): when it holds on any
-    rank, every rank checkpoints the step it is at, as for a preemption notice, and `train()` returns.
+    `preemption_deadline` and `stop_requested` go to the Checkpointer, which decides when to save on them (see
+    raysft.checkpoint.checkpointer.Checkpointer); after the save of a stop request, `train()` returns.
     """
 
     def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink,
@@ -103,14 +94,7 @@ class Trainer:
                  eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg, self.ctx = cfg, ctx
         self.sink = sink
-        self.preemption_deadline = preemption_deadline
-        self.stop_requested = stop_requested
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
-        self.deadline: float | None = None  # of an announced preemption
-        self.last_chance_taken = False
-        self.save_s = 0.0  # how long the preemption checkpoint took, to time the last one
-        self.next_notice_check = 0  # the step after which the ranks look next (the first one, and then see below)
-        self.checked_at = (0, time.perf_counter())  # (step, time) of the last check
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
         self.mesh = build_mesh(mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device)),
@@ -138,7 +122,8 @@ class Trainer:
                                     self.tokenizer, self.aliases, self.guard, lora=record(cfg))
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         self.totals = StepTotals(ctx.device, self.peak_tflops)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
+                                         preemption_deadline, stop_requested)
         if resume_dir is None or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
             load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
         if resume_dir is not None:
@@ -158,7 +143,7 @@ class Trainer:
         self.model.train()
         metrics: dict = {}
         stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
-        self.checked_at = (self.state.step, time.perf_counter())
+        self.checkpointer.start_notice_checks(self.state.step)
         while self.state.step < stop:
             step_start = time.perf_counter()
             self.train_step(reduce_metrics=False)
@@ -168,20 +153,15 @@ class Trainer:
                 self.checkpointer.finish(step)
                 self.log.close()
                 raise self.guard.diverged
-            preempted, self.stopped = self._notices(time.perf_counter() - step_start)
-            scheduled = self.checkpointer.due(step, stop)
-            save = scheduled or preempted or self.stopped
+            due = self.checkpointer.due(step, stop, time.perf_counter() - step_start)
+            self.stopped = due.stop
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
-            evaluate = self.evaluator is not None and self.evaluator.due(step, scheduled)
-            if save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
+            evaluate = self.evaluator is not None and self.evaluator.due(step, due.scheduled)
+            if due.save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
                 metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
-            if save:
-                save_start = time.perf_counter()
-                self.checkpointer.save(self.state, metrics)
-                if preempted or self.stopped:
-                    self.checkpointer.finish(step)  # durable and reported before the node or the process goes
-                    self.save_s = time.perf_counter() - save_start
+            if due.save:
+                self.checkpointer.save(self.state, metrics, urgent=due.urgent)
             elif report:
                 self.sink.report({**metrics, "step": step}, step)
             if self.stopped:
@@ -271,47 +251,3 @@ class Trainer:
         for row in rows:
             self.log.step(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")}, at=row["time"])
         return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}
-
-    def _notices(self, step_s: float) -> tuple[bool, bool]:
-        """Collective: (whether to checkpoint for a preemption, whether to checkpoint and stop on a stop request).
-
-        A preemption checkpoint is due when Ray has just announced that a node of this run will be drained, or when
-        that deadline is nearer than two more steps and a save. Training goes on after each; when the node goes,
-        Ray restarts the workers elsewhere from the latest.
-
-        Asking Ray and agreeing on a stop are barriers, so they happen about every NOTICE_CHECK_S seconds, not every
-        step: at each check rank 0 turns its measured step time into the number of steps to the next check, and one
-        all-reduce carries that and every rank's stop request, so that every rank checks at the same step whatever
-        its own clock says, and all stop together."""
-        if self.state.step < self.next_notice_check:
-            return self._last_chance_due(step_s), False
-        stop = self._schedule_notice_check()
-        if self.deadline is not None:
-            return self._last_chance_due(step_s), stop
-        self.deadline = self.preemption_deadline()
-        if self.deadline is not None:
-            self.log.event("preemption_notice", step=self.state.step, seconds_left=self._seconds_left())
-        return self.deadline is not None, stop
-
-    def _last_chance_due(self, step_s: float) -> bool:
-        """Collective once a notice came: whether the deadline is nearer than two more steps and a save."""
-        if self.deadline is None or self.last_chance_taken or math.isinf(self.deadline):
-            return False
-        if not any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
-            return False
-        self.last_chance_taken = True
-        self.log.event("preemption_last_checkpoint", step=self.state.step, seconds_left=self._seconds_left())
-        return True
-
-    def _schedule_notice_check(self) -> bool:
-        """Collective: schedule the next check (rank 0's step time decides); whether a stop is requested on any rank."""
-        now, step = time.perf_counter(), self.state.step
-        steps_s = (now - self.checked_at[1]) / max(1, step - self.checked_at[0])
-        every = max(1, min(1000, int(NOTICE_CHECK_S / max(steps_s, 1e-6)))) if self.ctx.rank == 0 else 0
-        agreed = torch.tensor([every, int(self.stop_requested())], device=self.ctx.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # rank 0's is the only non-zero step count
-        self.next_notice_check, self.checked_at = step + int(agreed[0].item()), (step, now)
-        return bool(agreed[1].item())
-
-    def _seconds_left(self) -> float | None:
-        return None if math.isinf(self.deadline) else round(self.deadline - time.time(), 1)

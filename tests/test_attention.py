@@ -20,10 +20,10 @@ from transformers import (
 
 import raysft.attention  # noqa: F401  (registers "varlen")
 from raysft.config import ConfigError
-from raysft.dataloader import collate
+from raysft.data.dataloader import collate
+from raysft.data.tokenizer import load_tokenizer
 from raysft.loss import full_logits_loss_sum
-from raysft.resume import check_model
-from raysft.tokenizer import load_tokenizer
+from raysft.prelaunch import check_model
 
 
 def tiny_model(attn: str):

@@ -7,10 +7,10 @@ import shutil
 import pytest
 
 from raysft.config import ConfigError, ModelConfig, load_config
-from raysft.data import read_records
+from raysft.data.readers import read_records
+from raysft.data.tokenizer import load_tokenizer
 from raysft.demo import DEMO_TOKENIZER
 from raysft.report import read_curves
-from raysft.tokenizer import load_tokenizer
 
 RECORDS = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "höla"}]},
            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
@@ -26,7 +26,7 @@ def test_a_utf8_bom_at_the_start_of_a_data_file_is_accepted(tmp_path, suffix):
 
 def test_a_bom_file_makes_the_same_store_locally_and_on_ray_chunks(tmp_path):
     """data.prepare=ray cuts files into byte ranges; the BOM's 3 bytes must not shift them."""
-    from raysft.prepare_ray import _Chunk, _chunk_records, _json_chunks
+    from raysft.data.tokenize_ray import _Chunk, _chunk_records, _json_chunks
 
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(RECORDS * 5).encode())

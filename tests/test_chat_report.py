@@ -14,9 +14,9 @@ from conftest import run_cli as raysft
 
 from raysft.chat import ChatModel, Conversation, generate_answer
 from raysft.config import ModelConfig
+from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import export
 from raysft.report import draw, read_curves
-from raysft.tokenizer import load_tokenizer
 
 Q1, Q2 = "What is the capital of France?", "And of Spain?"
 TOKENS = "24"  # --max-new-tokens: enough to tell answers apart, cheap on 2 cores

@@ -24,9 +24,9 @@ from raysft.checkpoint import (
     incomplete_reason,
 )
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import INDEX_FILE
 from raysft.run import launch
-from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from raysft.cli import main
-from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.config import ConfigError, TrainConfig, config_from_dict, load_config
 
 
 def test_defaults_are_the_demo_and_valid():
@@ -93,7 +93,7 @@ def test_a_set_value_that_is_not_yaml_is_a_config_error_naming_the_item(capsys):
 
 def test_round_trip_through_dict():
     cfg = load_config(None, ["train.max_steps=11", "parallel.sharding=NO_SHARD"])
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert config_from_dict(cfg.to_dict()) == cfg
 
 
 def test_cli_config_error_exits_2(capsys):

@@ -8,7 +8,6 @@ import pytest
 from conftest import TEST_DATA
 
 from raysft.config import DataConfig, ModelConfig
-from raysft.conversation import to_conversation
 from raysft.data import (
     IGNORE_INDEX,
     DataError,
@@ -18,9 +17,10 @@ from raysft.data import (
     read_store,
     store_files,
 )
+from raysft.data.conversation import to_conversation
+from raysft.data.labels import label_conversation
+from raysft.data.tokenizer import VICUNA_SYSTEM, VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
 from raysft.demo import DEMO_CONVERSATIONS
-from raysft.labels import label_conversation
-from raysft.tokenizer import VICUNA_SYSTEM, VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
 
 FASTCHAT = TEST_DATA / "fastchat" / "dummy_conversation.json"  # 500 ShareGPT conversations from FastChat
 
@@ -218,10 +218,10 @@ def test_fastchat_dummy_conversations(tmp_path, tok):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of a few KiB, so that every test file is cut into several Ray tasks, mid-file."""
-    import raysft.prepare_ray
+    import raysft.data.tokenize_ray
 
-    monkeypatch.setattr(raysft.prepare_ray, "MIN_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(raysft.prepare_ray, "CHUNK_BYTES", 16384)
+    monkeypatch.setattr(raysft.data.tokenize_ray, "MIN_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(raysft.data.tokenize_ray, "CHUNK_BYTES", 16384)
 
 
 def prepare_both(tok, tmp_path, paths, split="train", **data):
@@ -353,11 +353,11 @@ def test_jsonl_lines_read_the_same_cut_anywhere(tmp_path, tok, ray_cluster, smal
 def test_auto_prepares_on_ray_only_for_large_inputs_when_ray_is_there(tmp_path, tok, ray_cluster, monkeypatch):
     import ray
 
-    import raysft.prepare_ray
+    import raysft.data.tokenize_ray
 
     data = DataConfig(paths=["builtin:demo"])  # prepare: auto
     assert prepare_store(data, tok, tmp_path / "a").built_with == "local"  # 390 kB: not worth Ray
-    monkeypatch.setattr(raysft.prepare_ray, "RAY_MIN_BYTES", 1000)
+    monkeypatch.setattr(raysft.data.tokenize_ray, "RAY_MIN_BYTES", 1000)
     assert prepare_store(data, tok, tmp_path / "b").built_with == "ray"
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -365,7 +365,7 @@ def test_auto_prepares_on_ray_only_for_large_inputs_when_ray_is_there(tmp_path, 
 
 
 def test_json_array_spans_agree_with_json_loads():
-    from raysft.data import json_array_spans as _json_array_spans
+    from raysft.data.readers import json_array_spans as _json_array_spans
 
     text = ' \n[ {"a": "]", "b": [1, {"c": "\\","}]} ,\r\n"x" ,3.5e2, null,[] ]\n '
     spans = _json_array_spans(text)
@@ -379,7 +379,7 @@ def test_json_array_spans_agree_with_json_loads():
 def test_a_ray_task_that_cannot_see_the_input_says_what_to_do(tmp_path, tok):
     from dataclasses import asdict
 
-    from raysft.prepare_ray import _Chunk, _tokenize_chunks
+    from raysft.data.tokenize_ray import _Chunk, _tokenize_chunks
 
     chunk = _Chunk(0, str(tmp_path / "elsewhere.jsonl"), "elsewhere.jsonl", jsonl=True, start=0, end=10, index=0)
     out = _tokenize_chunks({"chunk": [json.dumps(asdict(chunk))]}, tok, tokenizer_fingerprint(tok), DataConfig(),

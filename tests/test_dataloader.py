@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from raysft.dataloader import DataCursor, GlobalBatchSampler, rank_micro_batches, token_budget_micro_batches
+from raysft.data.dataloader import DataCursor, GlobalBatchSampler, rank_micro_batches, token_budget_micro_batches
 
 
 def batches(sampler, n):
@@ -74,7 +74,7 @@ def test_a_packed_micro_batch_has_the_loss_of_the_padded_one_and_no_attention_ac
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raysft.dataloader import collate, sample_lengths
+    from raysft.data.dataloader import collate, sample_lengths
 
     gen = torch.Generator().manual_seed(0)
 
@@ -112,7 +112,7 @@ def synthetic_store(store, lengths, files: int = 1, seed: int = 0):
     files > 1, split as a Ray build splits it (samples-<chunk>.parquet, some chunk numbers missing)."""
     import pyarrow as pa
 
-    from raysft.data import write_samples
+    from raysft.data.store import write_samples
 
     rng = np.random.default_rng(seed)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -135,10 +135,10 @@ def synthetic_store(store, lengths, files: int = 1, seed: int = 0):
 
 
 def test_lazy_reading_gives_the_samples_of_the_whole_table_in_any_order(tmp_path, monkeypatch):
-    import raysft.data
-    from raysft.dataloader import TokenizedDataset, collate
+    import raysft.data.store
+    from raysft.data.dataloader import TokenizedDataset, collate
 
-    monkeypatch.setattr(raysft.data, "ROW_GROUP_BYTES", 2048)  # many row groups per file
+    monkeypatch.setattr(raysft.data.store, "ROW_GROUP_BYTES", 2048)  # many row groups per file
     lengths = np.random.default_rng(1).integers(2, 120, 1000)
     for files in (1, 7):
         table = synthetic_store(tmp_path / str(files), lengths, files)
@@ -173,8 +173,8 @@ def test_a_dataset_holds_one_integer_per_sample_not_its_tokens(tmp_path):
 
     import pyarrow as pa
 
-    from raysft.data import ROW_GROUP_BYTES
-    from raysft.dataloader import TokenizedDataset
+    from raysft.data.dataloader import TokenizedDataset
+    from raysft.data.store import ROW_GROUP_BYTES
 
     lengths = np.random.default_rng(0).integers(32, 96, 200_000)
     synthetic_store(tmp_path / "store", lengths)

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from raysft.checkpoint import STATE_FILE
 from raysft.checkpoint.retention import to_prune
 from raysft.config import ConfigError, load_config
-from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store, write_samples
+from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
+from raysft.data.store import write_samples
+from raysft.data.tokenizer import load_tokenizer
 from raysft.evaluation import Evaluator
-from raysft.tokenizer import load_tokenizer
 
 
 def test_eval_fraction_holds_the_same_records_out_every_time_and_never_trains_on_them(tmp_path):

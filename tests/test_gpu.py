@@ -9,7 +9,7 @@ from test_loss import Samples
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from raysft.attention import per_sample_sdpa, varlen_attention_forward
-from raysft.dataloader import collate, to_device
+from raysft.data.dataloader import collate, to_device
 from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
 from raysft.trainer import use_deterministic_kernels
 

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from raysft.checkpoint import DirectorySink
-from raysft.config import TrainConfig
+from raysft.config import config_from_dict
 from raysft.data import prepare_store
-from raysft.launch import ray_worker_context
-from raysft.tokenizer import load_tokenizer
+from raysft.data.tokenizer import load_tokenizer
+from raysft.ray_worker import ray_worker_context
 from raysft.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
@@ -35,7 +35,7 @@ def two_node_cluster(tmp_path_factory):
 
 def _train_and_dump_shards(loop: dict) -> None:
     ctx = ray_worker_context()
-    cfg = TrainConfig.from_dict(loop["config"])
+    cfg = config_from_dict(loop["config"])
     trainer = Trainer(cfg, Path(loop["store"]), None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     trainer.train()
     params = dict(trainer.model.named_parameters())

@@ -9,10 +9,10 @@ import pytest
 from conftest import TEST_DATA
 from transformers import AutoTokenizer
 
-from raysft.conversation import BadRecord, to_conversation
+from raysft.data.conversation import BadRecord, to_conversation
+from raysft.data.labels import IGNORE_INDEX, label_conversation, marks_generation
+from raysft.data.tokenizer import VICUNA_TEMPLATE
 from raysft.demo import DEMO_CHAT_TEMPLATE, DEMO_TOKENIZER
-from raysft.labels import IGNORE_INDEX, label_conversation, marks_generation
-from raysft.tokenizer import VICUNA_TEMPLATE
 
 TEMPLATES = TEST_DATA / "chat_templates"
 # Each model's special tokens ("special") and its added tokens that are plain text ("plain"), as its tokenizer has them.
@@ -291,7 +291,7 @@ def test_store_manifest_says_how_labels_were_found(tmp_path):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_generation_stops_at_the_end_of_turn_token_the_template_writes(name):
-    from raysft.labels import stop_token_ids
+    from raysft.data.labels import stop_token_ids
 
     tok = model_tokenizer(name)
     assert tok.convert_tokens_to_ids(END_OF_TURN[name]) in stop_token_ids(tok)

@@ -21,14 +21,14 @@ from raysft.checkpoint import (
     read_index,
     read_manifest,
 )
-from raysft.config import ConfigError, ModelConfig, TrainConfig, load_config
+from raysft.config import ConfigError, ModelConfig, config_from_dict, load_config
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.lora import is_adapter
 from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model, load_model_config
 from raysft.run import launch, prepare_on_rank0, run_trainer
-from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 peft = pytest.importorskip("peft")
@@ -167,7 +167,7 @@ def _variant_name(sharding: str, ac: str, precision: str, packing: str) -> str:
 
 def _train_each_strategy(ctx, config: dict, store: Path) -> None:
     for sharding, ac, precision, packing in STRATEGY_VARIANTS:
-        cfg = TrainConfig.from_dict(config)
+        cfg = config_from_dict(config)
         p = cfg.parallel
         p.sharding, p.activation_checkpointing, p.mixed_precision = sharding, ac, precision
         p.hsdp_shard_size = 2 if sharding == "HYBRID_SHARD" else 0
@@ -230,7 +230,8 @@ def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_che
     """Loading is not strict under LoRA (the frozen base is in no checkpoint), so raysft compares the names itself:
     an adapter the checkpoint lacks would otherwise keep its initial value without a word."""
     from raysft.checkpoint import CheckpointError
-    from raysft.lora import add_adapters, check_adapter_names
+    from raysft.checkpoint.trainable import check_adapter_names
+    from raysft.lora import add_adapters
     from raysft.model import build_meta_model
 
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj]"])
@@ -246,7 +247,7 @@ def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_che
 
 
 def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
-    from raysft.resume import check_model
+    from raysft.prelaunch import check_model
 
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj, qkv_proj]"])
     check_model(cfg, load_tokenizer(cfg.model, "auto"))  # peft adapts the layers that match any name
@@ -290,7 +291,7 @@ def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_a
 
 
 def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_settings(tmp_path):
-    from raysft.resume import claim_run_dir
+    from raysft.prelaunch import claim_run_dir
 
     changes = [("r", 4, 0), ("r", 0, 4), ("r", 4, 8), ("alpha", 8, 16), ("dropout", 0.0, 0.1),
                ("target_modules", "[q_proj, v_proj, down_proj]", "[q_proj, v_proj]")]

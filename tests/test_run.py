@@ -19,10 +19,10 @@ from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, STATE_FILE, Checkpoint
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.cli import main as cli
 from raysft.data import IGNORE_INDEX, prepare_store, read_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.demo import DEMO_CONVERSATIONS
 from raysft.metrics import read_metrics
 from raysft.run import launch
-from raysft.tokenizer import load_tokenizer
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -75,19 +75,19 @@ def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit
 def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
     """A launch in which rank 1 alone asks to stop from its `after_checks`-th notice check on (as one rank that got
     SIGTERM first would), with a check after every step whatever the machine's speed."""
-    import raysft.trainer
+    import raysft.checkpoint.checkpointer as checkpointer_module
 
-    checks, every_s = [], raysft.trainer.NOTICE_CHECK_S
+    checks, every_s = [], checkpointer_module.NOTICE_CHECK_S
 
     def stop_requested() -> bool:
         checks.append(1)
         return ctx.rank == 1 and len(checks) >= after_checks
 
-    raysft.trainer.NOTICE_CHECK_S = 0.0
+    checkpointer_module.NOTICE_CHECK_S = 0.0
     try:
         return launch(ctx, cfg, stop_requested=stop_requested)
     finally:
-        raysft.trainer.NOTICE_CHECK_S = every_s
+        checkpointer_module.NOTICE_CHECK_S = every_s
 
 
 def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tmp_path, gloo_pool, uninterrupted):

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raysft.conversation import to_conversation
-from raysft.sources import SourceError, copies, num_rows, source_sha256, table_records
+from raysft.data.conversation import to_conversation
+from raysft.data.sources import SourceError, copies, num_rows, source_sha256, table_records
 
 MESSAGES = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
             for i in range(5)]

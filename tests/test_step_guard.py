@@ -25,9 +25,9 @@ from raysft.checkpoint import (
 )
 from raysft.config import ConfigError
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.metrics import progress_line, read_metrics
 from raysft.run import launch
-from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 

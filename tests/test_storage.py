@@ -24,15 +24,15 @@ import raysft.checkpoint.sharded as ckpt_module
 from raysft import lease as lease_module
 from raysft import storage
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError, ScratchSink, checkpoint_dirs, incomplete_reason
-from raysft.config import ConfigError, TrainConfig
+from raysft.checkpoint.dcp_read import StorageReader
+from raysft.config import ConfigError, TrainConfig, config_from_dict
 from raysft.data import prepare_store
-from raysft.dcp_read import StorageReader
-from raysft.launch import FATAL_ERROR_FILE, ray_worker_context
+from raysft.data.tokenizer import load_tokenizer
 from raysft.lease import LEASE_FILE, RunInUse, RunLease
 from raysft.metrics import MetricsLogger, read_metrics
-from raysft.resume import RUN_FILE, claim_run_dir
+from raysft.prelaunch import RUN_FILE, claim_run_dir
+from raysft.ray_worker import FATAL_ERROR_FILE, ray_worker_context
 from raysft.storage import Location, location
-from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
@@ -119,7 +119,7 @@ def test_location_lists_reads_writes_and_moves_objects(prefix):
 
 
 def test_workers_reach_the_store_through_the_drivers_filesystem_without_the_endpoint_setting(prefix):
-    """What _train_fn does with the filesystem Ray pickles from the driver, in a process whose environment
+    """What train_worker does with the filesystem Ray pickles from the driver, in a process whose environment
     has the credentials but not AWS_ENDPOINT_URL_S3 (a worker node's, say)."""
     root = location(prefix)
     (root / "probe.txt").write_text("hello")
@@ -271,7 +271,7 @@ def _load_from_storage(loop: dict) -> None:
 
     ckpt_module.dcp_reader = recording_reader
     try:
-        trainer = Trainer(TrainConfig.from_dict(loop["config"]), Path(loop["store"]), loop["checkpoint"],
+        trainer = Trainer(config_from_dict(loop["config"]), Path(loop["store"]), loop["checkpoint"],
                           ScratchSink(lambda *a: None, Path(loop["out"]) / f"scratch{ctx.rank}"), ctx)
     finally:
         ckpt_module.dcp_reader = original
@@ -285,7 +285,7 @@ def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downlo
     topology), nowhere near the whole checkpoint, and no rank downloads it first."""
     ckpt = runs.remote.run_dir / "checkpoint_00000003"
     values = runs.remote.to_dict()
-    cfg = TrainConfig.from_dict({**values, "run": {**values["run"], "name": "load-probe"}})  # its own metrics
+    cfg = config_from_dict({**values, "run": {**values["run"], "name": "load-probe"}})  # its own metrics
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
     run_workers(_load_from_storage, {"config": cfg.to_dict(), "store": str(store), "checkpoint": ckpt,
                                      "out": str(tmp_path)}, tmp_path)

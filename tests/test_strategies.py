@@ -11,14 +11,14 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from raysft.checkpoint import DirectorySink
-from raysft.config import TrainConfig
+from raysft.config import TrainConfig, config_from_dict
 from raysft.data import IGNORE_INDEX, prepare_store
-from raysft.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate
+from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate
+from raysft.data.tokenizer import load_tokenizer
 from raysft.lora import add_adapters
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model, load_model_config
 from raysft.optim import build_lr_scheduler, build_optimizer
-from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 STEPS = 3
@@ -28,7 +28,7 @@ VARIANTS = [("FULL_SHARD", "none"), ("FULL_SHARD", "full"), ("SHARD_GRAD_OP", "n
 
 def _train_each_variant(ctx, config: dict, store: Path, out: Path) -> None:
     for sharding, ac in VARIANTS:
-        cfg = TrainConfig.from_dict(config)
+        cfg = config_from_dict(config)
         cfg.parallel.sharding, cfg.parallel.activation_checkpointing = sharding, ac
         cfg.parallel.hsdp_shard_size = 2 if sharding == "HYBRID_SHARD" else 0
         cfg.run.name = f"{sharding}-{ac}"

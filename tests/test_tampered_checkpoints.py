@@ -28,12 +28,12 @@ from raysft.checkpoint import (
     incomplete_reason,
     read_trainer_state,
 )
+from raysft.checkpoint.dcp_read import dcp_reader
 from raysft.cli import main
 from raysft.data import prepare_store
-from raysft.dcp_read import dcp_reader
+from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import EXPORT_FILE, export
-from raysft.resume import claim_run_dir
-from raysft.tokenizer import load_tokenizer
+from raysft.prelaunch import claim_run_dir
 from raysft.trainer import Trainer, WorkerContext
 
 

@@ -15,10 +15,10 @@ from conftest import tiny_config
 from safetensors.torch import load_file
 
 from raysft.checkpoint import DirectorySink
-from raysft.config import TrainConfig
+from raysft.config import TrainConfig, config_from_dict
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.metrics import read_metrics
-from raysft.tokenizer import load_tokenizer
 
 STEPS = 6
 BASE = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.mode": "full",
@@ -40,7 +40,7 @@ def _run(rank: int, world_size: int, init: str, runs: list[tuple[str, dict, str 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         for _, cfg_dict, resume in runs:
-            cfg = TrainConfig.from_dict(cfg_dict)
+            cfg = config_from_dict(cfg_dict)
             trainer = Trainer(cfg, Path(store), Path(resume) if resume else None, DirectorySink(cfg.run_dir, rank),
                               WorkerContext(rank, world_size, torch.device("cpu")))
             if cfg.parallel.compile:
@@ -114,34 +114,38 @@ def test_token_budget_and_varlen_config_errors(tmp_path, sets, key):
 
 def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agrees_on(tmp_path, monkeypatch):
     """Steps of 0.25 s: Ray is asked at step 1, then every 4 steps (rank 0's measure, all-reduced), and a notice
-    is acted on at the step it is heard; a stop request raised at step 10 is acted on at the next check, step 13."""
+    is acted on at the step it is heard; a stop request raised at step 10 is acted on at the next check, step 13.
+    The Checkpointer alone decides: each step's Due joins these to the cadence (every 5 steps and the last)."""
     import time
     from types import SimpleNamespace
 
-    import raysft.trainer
-    from raysft.trainer import NOTICE_CHECK_S, Trainer, WorkerContext
+    import raysft.checkpoint.checkpointer
+    from raysft.checkpoint.checkpointer import NOTICE_CHECK_S, Checkpointer
 
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(raysft.trainer, "time", SimpleNamespace(perf_counter=lambda: clock.now, time=time.time))
-    asked = []
-    trainer = Trainer.__new__(Trainer)  # only the preemption state: no model or data
-    trainer.ctx, trainer.state = WorkerContext(0, 1, torch.device("cpu")), SimpleNamespace(step=0)
-    trainer.log = SimpleNamespace(event=lambda *a, **k: None)
-    trainer.preemption_deadline = lambda: asked.append(trainer.state.step) or (
-        time.time() + 600 if trainer.state.step >= 9 else None)
-    trainer.deadline, trainer.last_chance_taken, trainer.save_s = None, False, 0.0
-    trainer.stop_requested = lambda: trainer.state.step >= 10
-    trainer.next_notice_check, trainer.checked_at = 0, (0, 0.0)
+    monkeypatch.setattr(raysft.checkpoint.checkpointer, "time",
+                        SimpleNamespace(perf_counter=lambda: clock.now, time=time.time))
+    asked, step = [], 0
+    checkpointer = Checkpointer.__new__(Checkpointer)  # only the preemption state: no model or data
+    checkpointer.rank, checkpointer.device = 0, torch.device("cpu")
+    checkpointer.cfg = SimpleNamespace(every_n_steps=5)
+    checkpointer.log = SimpleNamespace(event=lambda *a, **k: None)
+    checkpointer.preemption_deadline = lambda: asked.append(step) or (time.time() + 600 if step >= 9 else None)
+    checkpointer.deadline, checkpointer.last_chance_taken, checkpointer.save_s = None, False, 0.0
+    checkpointer.stop_requested = lambda: step >= 10
+    checkpointer.next_notice_check, checkpointer.checked_at = 0, (0, 0.0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        due, stops = [], []
+        decisions = []
         for step in range(1, 15):
-            clock.now, trainer.state.step = 0.25 * step, step
-            preempted, stop = trainer._notices(0.25)
-            due.append(preempted)
-            stops.append(stop)
+            clock.now = 0.25 * step
+            decisions.append(checkpointer.due(step, 14, 0.25))
     finally:
         dist.destroy_process_group()
+    due, stops = [d.preempted for d in decisions], [d.stop for d in decisions]
+    assert [d.scheduled for d in decisions] == [step % 5 == 0 or step == 14 for step in range(1, 15)]
+    assert [step for step, d in enumerate(decisions, 1) if d.save] == [5, 9, 10, 13, 14]
+    assert [step for step, d in enumerate(decisions, 1) if d.urgent] == [9, 13]  # committed before going on
     every = int(NOTICE_CHECK_S / 0.25)
     assert asked == [1, 1 + every, 1 + 2 * every] == [1, 5, 9]  # not asked again once a notice came
     assert due == [step == 9 for step in range(1, 15)]  # the notice: checkpoint now

@@ -18,9 +18,9 @@ import raysft
 from raysft.checkpoint import DirectorySink, save
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
 from raysft.metrics import read_metrics
 from raysft.run import launch
-from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
 PROBE = torch.tensor([[5, 60, 70, 80, 90, 100, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14]])

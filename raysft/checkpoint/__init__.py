@@ -1,13 +1,15 @@
 """Checkpoints of the whole training state, and the one object that takes them (`Checkpointer`).
 
 Modules, by role:
-  checkpointer  cadence, layout choice, one save at a time in the background, commit through a Sink, load; no
-                save of NaN or inf
+  checkpointer  when to save (cadence, preemption notices, stop requests: Checkpointer.due), layout choice, one
+                save at a time in the background, commit through a Sink, load; no save of NaN or inf
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
   full          rank 0 gathers and writes an HF model directory (model.safetensors) plus the optimizer state
   sharded       every rank writes its own DCP shards; loads reshard to any topology
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
   state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors
+  trainable     what is saved of a model with frozen parameters (LoRA): only what trains, its names checked
+  dcp_read      DCP directories read without running code from them (a safe unpickler for the index)
   sinks         where parts are written and how a finished checkpoint is committed (run dir, upload, Ray)
   discovery     names, the checkpoint to resume from
   retention     which checkpoints are kept (keep, keep_best) and which one `latest`, `best` or a step means

@@ -4,9 +4,12 @@ and loading a checkpoint back. Plain torch.distributed: the same code checkpoint
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from raysft.checkpoint.layouts import PendingSave, load, start_save
 from raysft.checkpoint.sinks import Sink
 from raysft.checkpoint.state import CheckpointSaveError, NonFiniteStateError, TrainingObjects, TrainState
-from raysft.collectives import all_ranks, count_ranks, from_rank0
+from raysft.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.config import CheckpointConfig
 from raysft.storage import Location
 
@@ -79,24 +82,71 @@ def check_finite(objs: TrainingObjects, step: int) -> None:
                               "checkpoints are kept; resume from one with a lower train.lr")
 
 
-class Checkpointer:
-    """Saves the training state at the configured cadence into a Sink, one save at a time, in the background with
-    checkpoint.async; loads it back. Collective where its methods say so."""
+NOTICE_CHECK_S = 1.0  # how often the ranks look for a preemption notice or a stop request (a barrier each)
 
-    def __init__(self, cfg: CheckpointConfig, objs: TrainingObjects, sink: Sink, log, rank: int):
+
+@dataclass(frozen=True)
+class Due:
+    """Whether a step saves and why, the same on every rank: its cadence (checkpoint.every_n_steps, the last step),
+    a preemption notice, or a stop request (the loop returns after that save)."""
+
+    scheduled: bool = False
+    preempted: bool = False
+    stop: bool = False
+
+    @property
+    def save(self) -> bool:
+        return self.scheduled or self.preempted or self.stop
+
+    @property
+    def urgent(self) -> bool:
+        """Committed before training goes on: the node or the process is about to go."""
+        return self.preempted or self.stop
+
+
+class Checkpointer:
+    """Decides when to save (`due`: the cadence, preemption notices, stop requests) and saves the training state
+    into a Sink, one save at a time, in the background with checkpoint.async; loads it back. Collective where its
+    methods say so.
+
+    `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
+    which a node of this run will be taken away. A save is due as soon as it is heard of, and once more when the
+    deadline is nearer than two steps and a save, so that only the steps after that are redone. `stop_requested` is
+    local (a SIGTERM reached this process or its driver, raysft.signals): when it holds on any rank, every rank
+    saves the step it is at, as for a preemption notice."""
+
+    def __init__(self, cfg: CheckpointConfig, objs: TrainingObjects, sink: Sink, log, rank: int,
+                 device: torch.device | None = None,
+                 preemption_deadline: Callable[[], float | None] = lambda: None,
+                 stop_requested: Callable[[], bool] = lambda: False):
         self.cfg, self.objs, self.sink, self.log, self.rank = cfg, objs, sink, log, rank
+        self.device = device or torch.device("cpu")  # of the notice checks' all-reduce: the process group's
         self.mode = choose_mode(cfg.mode, objs.model)
         self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
+        self.preemption_deadline, self.stop_requested = preemption_deadline, stop_requested
+        self.deadline: float | None = None  # of an announced preemption
+        self.last_chance_taken = False
+        self.save_s = 0.0  # how long the preemption checkpoint took, to time the last one
+        self.next_notice_check = 0  # the step after which the ranks look next (the first one, and then see below)
+        self.checked_at = (0, time.perf_counter())  # (step, time) of the last check
 
     def load(self, ckpt_dir: Path | Location) -> TrainState:
         return load(ckpt_dir, self.objs)
 
-    def due(self, step: int, stop: int) -> bool:
-        return step % self.cfg.every_n_steps == 0 or step == stop
+    def start_notice_checks(self, step: int) -> None:
+        """The loop starts (or resumes) at `step`: step times for the notice checks are measured from here."""
+        self.checked_at = (step, time.perf_counter())
 
-    def save(self, state: TrainState, metrics: dict) -> None:
+    def due(self, step: int, stop: int, step_s: float) -> Due:
+        """Collective: whether the step just taken (of `step_s` seconds) saves, and why; `stop` is the launch's last
+        step."""
+        preempted, stop_requested = self._notices(step, step_s)
+        return Due(step % self.cfg.every_n_steps == 0 or step == stop, preempted, stop_requested)
+
+    def save(self, state: TrainState, metrics: dict, urgent: bool = False) -> None:
         """Collective: snapshot the state and write it (in the background with checkpoint.async); `finish` or a
-        later `poll` commits it."""
+        later `poll` commits it, or this call when `urgent` (Due.urgent)."""
+        urgent_start = time.perf_counter()
         self.finish()  # one save at a time: the previous one must be complete
         check_finite(self.objs, state.step)  # what is snapshotted now is what every layout writes
         start = time.perf_counter()
@@ -108,7 +158,10 @@ class Checkpointer:
             raise
         self.pending = (pending, {**metrics, "step": state.step, "save_blocking_s": time.perf_counter() - start,
                                   "save_started": start})
-        if not self.cfg.async_save:
+        if urgent:  # durable and reported before the node or the process goes
+            self.finish(state.step)
+            self.save_s = time.perf_counter() - urgent_start
+        elif not self.cfg.async_save:
             self.finish()
 
     def poll(self, at_step: int) -> None:
@@ -136,4 +189,46 @@ class Checkpointer:
                        gb=round(size_gb, 4), gb_per_s=round(size_gb / save_s, 3),
                        reported_at_step=pending.step if at_step is None else at_step)
 
+    def _notices(self, step: int, step_s: float) -> tuple[bool, bool]:
+        """Collective: (whether to checkpoint for a preemption, whether to checkpoint and stop on a stop request).
 
+        A preemption checkpoint is due when Ray has just announced that a node of this run will be drained, or when
+        that deadline is nearer than two more steps and a save. Training goes on after each; when the node goes,
+        Ray restarts the workers elsewhere from the latest.
+
+        Asking Ray and agreeing on a stop are barriers, so they happen about every NOTICE_CHECK_S seconds, not every
+        step: at each check rank 0 turns its measured step time into the number of steps to the next check, and one
+        all-reduce carries that and every rank's stop request, so that every rank checks at the same step whatever
+        its own clock says, and all stop together."""
+        if step < self.next_notice_check:
+            return self._last_chance_due(step, step_s), False
+        stop = self._schedule_notice_check(step)
+        if self.deadline is not None:
+            return self._last_chance_due(step, step_s), stop
+        self.deadline = self.preemption_deadline()
+        if self.deadline is not None:
+            self.log.event("preemption_notice", step=step, seconds_left=self._seconds_left())
+        return self.deadline is not None, stop
+
+    def _last_chance_due(self, step: int, step_s: float) -> bool:
+        """Collective once a notice came: whether the deadline is nearer than two more steps and a save."""
+        if self.deadline is None or self.last_chance_taken or math.isinf(self.deadline):
+            return False
+        if not any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
+            return False
+        self.last_chance_taken = True
+        self.log.event("preemption_last_checkpoint", step=step, seconds_left=self._seconds_left())
+        return True
+
+    def _schedule_notice_check(self, step: int) -> bool:
+        """Collective: schedule the next check (rank 0's step time decides); whether a stop is requested on any rank."""
+        now = time.perf_counter()
+        steps_s = (now - self.checked_at[1]) / max(1, step - self.checked_at[0])
+        every = max(1, min(1000, int(NOTICE_CHECK_S / max(steps_s, 1e-6)))) if self.rank == 0 else 0
+        agreed = torch.tensor([every, int(self.stop_requested())], device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # rank 0's is the only non-zero step count
+        self.next_notice_check, self.checked_at = step + int(agreed[0].item()), (step, now)
+        return bool(agreed[1].item())
+
+    def _seconds_left(self) -> float | None:
+        return None if math.isinf(self.deadline) else round(self.deadline - time.time(), 1)

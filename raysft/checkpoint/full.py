@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
+from raysft.checkpoint.trainable import check_adapter_names, state_dict_options
 from raysft.collectives import from_rank0
-from raysft.lora import check_adapter_names, state_dict_options
 from raysft.storage import Location, location
 
 OPTIMIZER_META_FILE = "optimizer.json"

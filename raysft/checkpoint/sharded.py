@@ -2,8 +2,8 @@
 `__<rank>_0.distcp`, plus the index `.metadata` from rank 0; replicated tensors (HSDP) are written once.
 
 Loading reshards to any number of workers and any sharding strategy; on remote storage each rank reads just its
-byte ranges. The index (a pickle) and the saved values are read through raysft.dcp_read, which admits only DCP's
-own metadata classes and plain data, so a tampered checkpoint cannot run code.
+byte ranges. The index (a pickle) and the saved values are read through raysft.checkpoint.dcp_read, which admits
+only DCP's own metadata classes and plain data, so a tampered checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raysft.checkpoint.background import chain, checkpoint_group, run_now
+from raysft.checkpoint.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
 from raysft.checkpoint.manifest import HashingWriter
 from raysft.checkpoint.state import CheckpointError, TrainingObjects
-from raysft.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
-from raysft.lora import state_dict_options
+from raysft.checkpoint.trainable import state_dict_options
 from raysft.storage import Location
 
 
@@ -94,7 +94,7 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
 
 
 def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None) -> Metadata:
-    """The DCP index of a sharded checkpoint, read without running anything from it (raysft.dcp_read)."""
+    """The DCP index of a sharded checkpoint, read without running anything from it (raysft.checkpoint.dcp_read)."""
     try:
         return (reader or dcp_reader(ckpt_dir)).read_metadata()
     except (OSError, UnsafeCheckpointData) as e:

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.collectives import default_device
-from raysft.dataloader import DataCursor
+from raysft.data.dataloader import DataCursor
 from raysft.step_guard import StepGuard, state_problem
 from raysft.storage import Location, location
 

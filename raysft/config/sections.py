@@ -1,22 +1,18 @@
 """Typed run configuration: one small dataclass per component, composed into TrainConfig.
 
-Loaded from YAML plus `--set section.key=value` overrides and validated once, up front, so that a typo or an
-inconsistent value fails on the driver with the key's name instead of deep inside a Ray worker.
+These classes say what can be configured and nothing more: reading YAML and overrides into them is
+raysft.config.load, the checks each value must pass are raysft.config.checks, so that this module, which nearly
+every other imports, imports nothing of raysft above the storage helpers.
 The defaults are the embedded demo: a tiny LLaMA trained from scratch on the bundled conversations.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 from raysft.storage import Location, location, native
 
@@ -251,11 +247,6 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
-    def __post_init__(self) -> None:
-        from raysft.config_checks import validate  # the checks read these classes
-
-        validate(self)
-
     @property
     def run_dir(self) -> Path | Location:
         """`<run.storage_path>/<run.name>`: a Path on local or NFS storage (as ever), a Location on s3://, gs://..."""
@@ -269,10 +260,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        return _build(cls, data, prefix="")
 
 
 def reference_markdown() -> str:
@@ -303,96 +290,16 @@ def reference_markdown() -> str:
             meaning = docs.get((cls.__name__, f.name), "").replace("|", "\\|")
             if typing.get_origin(field_hints[f.name]) is Literal:
                 meaning = f"one of {', '.join(f'`{v}`' for v in typing.get_args(field_hints[f.name]))}. {meaning}"
-            rows.append(f"| `{prefix}.{_key(f)}` | `{getattr(defaults, f.name)!r}` | {meaning.strip()} |")
+            rows.append(f"| `{prefix}.{field_key(f)}` | `{getattr(defaults, f.name)!r}` | {meaning.strip()} |")
     return "\n".join(rows)
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a YAML file (None: the defaults) and apply `section.key=value` overrides (values parsed as YAML)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"config {path}: top level must be a mapping of sections, got {type(data).__name__}")
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or "." not in key:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
-        try:
-            node[leaf] = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(e).split())}") from e
-    return TrainConfig.from_dict(data)
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {_key(f): f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' "
-                          f"(known in this section: {', '.join(sorted(names))})")
-    kwargs = {}
-    for name, value in data.items():
-        key, tp = prefix + name, hints[names[name]]
-        kwargs[names[name]] = _build(tp, value, key + ".") if dataclasses.is_dataclass(tp) else _coerce(tp, value, key)
-    return cls(**kwargs)
-
-
-def _key(f: dataclasses.Field) -> str:
+def field_key(f: dataclasses.Field) -> str:
     """The config key of a field: its name, unless that is a Python keyword (`async`)."""
     return f.metadata.get("key", f.name)
 
 
 def _to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {field_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     return list(obj) if isinstance(obj, list) else obj
-
-
-def _coerce(tp: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}': {value!r} is not one of {', '.join(map(str, typing.get_args(tp)))}")
-        return value
-    if origin in (typing.Union, types.UnionType):  # data.paths entries: a path, or {path, weight}
-        for option in typing.get_args(tp):
-            if option is dict and isinstance(value, dict):
-                return dict(value)
-            if option is str and isinstance(value, (str, int)) and not isinstance(value, bool):
-                return str(value)
-        raise ConfigError(f"config key '{key}': expected {' or '.join(a.__name__ for a in typing.get_args(tp))}, "
-                          f"got {value!r}")
-    if origin in (list, list):
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"config key '{key}': expected a list, got {value!r}")
-        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"config key '{key}': expected float, got {value!r} (str)") from None
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, (str, int)) and not isinstance(value, bool),  # YAML reads `2` as an int
-    }[tp]
-    if not ok:
-        raise ConfigError(f"config key '{key}': expected {tp.__name__}, got {value!r} ({type(value).__name__})")
-    if tp is float and not math.isfinite(value):
-        raise ConfigError(f"config key '{key}': must be a finite number, got {value!r}")
-    return float(value) if tp is float else str(value) if tp is str else value

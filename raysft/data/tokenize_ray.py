@@ -1,6 +1,6 @@
 """Tokenizing large inputs on the Ray cluster (data.prepare): the driver cuts the sources into chunks of whole
 records and Ray Data tasks tokenize one chunk each into its own parquet file. Rows, record indices, counts and error
-messages are those of the single-process path in raysft.data; only the number of parquet files differs."""
+messages are those of the single-process path in raysft.data.prepare; only the number of parquet files differs."""
 
 from __future__ import annotations
 
@@ -17,22 +17,10 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from raysft.config import BUILTIN, DataConfig
-from raysft.data import (
-    DISK_FULL,
-    DataError,
-    Samples,
-    Split,
-    is_blank,
-    json_array,
-    json_array_spans,
-    json_text,
-    jsonl_records,
-    no_usable_records,
-    resolve_data_path,
-    split_copies,
-)
-from raysft.sources import Source, is_table, num_rows, source_bytes, table_records
-from raysft.tokenizer import tokenizer_fingerprint
+from raysft.data.readers import is_blank, json_array, json_array_spans, json_text, jsonl_records
+from raysft.data.sources import DataError, Source, is_table, num_rows, resolve_data_path, source_bytes, table_records
+from raysft.data.store import DISK_FULL, Samples, Split, no_usable_records, split_copies
+from raysft.data.tokenizer import tokenizer_fingerprint
 
 # data.prepare=auto: inputs this large are worth Ray's start-up (a few seconds) when a cluster is there.
 RAY_MIN_BYTES = 64 << 20
@@ -66,7 +54,7 @@ class _Chunk:
     lineno: int = 0  # JSONL: the file's line number of the chunk's first line
     records: int = 0  # JSON array: the chunk's element count
     table: bool = False
-    weight: float = 1.0  # the source's: how many times each record goes into the store (raysft.sources.copies)
+    weight: float = 1.0  # the source's: how many times each record goes into the store (raysft.data.sources.copies)
     sha256: str = ""
 
 

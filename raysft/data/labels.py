@@ -30,7 +30,7 @@ from typing import Literal
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from raysft.conversation import BadRecord, Conversation
+from raysft.data.conversation import BadRecord, Conversation
 
 IGNORE_INDEX = -100
 TrainOn = Literal["all_assistant", "last_assistant"]

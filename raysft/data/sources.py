@@ -1,6 +1,6 @@
-"""Conversation sources besides JSON and JSON Lines: parquet files and Hugging Face `datasets` directories
-(`Dataset.save_to_disk`), whose rows hold `messages` or `conversations`; and the weights that sample a source into
-the store.
+"""Where records come from: data.paths resolved into sources (path, weight, content hash, size); parquet files and
+Hugging Face `datasets` directories (`Dataset.save_to_disk`), whose rows hold `messages` or `conversations`; and the
+weights that sample a source into the store. JSON and JSON Lines are read by raysft.data.readers.
 
 Both are Arrow underneath and are read with pyarrow, a batch at a time: `datasets` itself is not needed to read
 what it saved. Rows come out as the same Python dicts a JSON record would be, so the same checks and labels apply.
@@ -19,6 +19,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raysft.config import BUILTIN, DataConfig, data_sources
+from raysft.demo import DEMO_CONVERSATIONS
 from raysft.storage import hash_stream
 
 HF_STATE_FILE = "state.json"  # what Dataset.save_to_disk writes beside its Arrow files
@@ -38,6 +40,10 @@ class Source:
     def info(self) -> dict:
         return {"path": str(self.path), "sha256": self.sha256, "bytes": self.bytes,
                 **({"weight": self.weight} if self.weight != 1 else {})}
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file and the record."""
 
 
 class SourceError(ValueError):
@@ -140,3 +146,25 @@ def copies(weight: float, source_sha: str, index: int) -> int:
         return whole
     digest = hashlib.blake2b(f"{source_sha}:{index}".encode(), digest_size=8).digest()
     return whole + (int.from_bytes(digest, "big") / 2**64 < fraction)
+
+
+def resolve_data_path(name: str) -> Path:
+    if name == BUILTIN + "demo":
+        return DEMO_CONVERSATIONS
+    path = Path(name).expanduser()
+    if not (path.is_file() or path.is_dir()):
+        raise DataError(f"data.paths: {name} is not a file or a dataset directory")
+    return path
+
+
+def resolve_sources(cfg: DataConfig) -> list[Source]:
+    sources = []
+    for name, weight in data_sources(cfg.paths):
+        path = resolve_data_path(name)
+        try:
+            if is_table(path):
+                check_table(path)
+        except SourceError as e:
+            raise DataError(f"data.paths: {e}") from None
+        sources.append(Source(name, path, weight, source_sha256(path), source_bytes(path)))
+    return sources

@@ -71,7 +71,7 @@ def load_tokenizer(model: ModelConfig, chat_template: str = "auto") -> PreTraine
     elif chat_template != "auto":
         tokenizer.chat_template = read_template(chat_template)
         source = f"the chat template {chat_template}"
-    tokenizer.chat_template_source = source  # error messages name it (raysft.labels.template_name)
+    tokenizer.chat_template_source = source  # error messages name it (raysft.data.labels.template_name)
     if tokenizer.pad_token is None:  # LLaMA tokenizers often have none; padding positions are masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

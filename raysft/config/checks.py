@@ -1,20 +1,27 @@
 """The checks a configuration must pass beyond its types: ranges, values that must agree with each other, files
-that must exist, optional libraries that must be installed. Run once when a TrainConfig is made, so a mistake fails
-on the driver with the key's name, before any worker starts."""
+that must exist, optional libraries that must be installed. raysft.config.load runs them once on every configuration
+it reads, so a mistake fails on the driver with the key's name, before any worker starts."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from raysft.config import (
+from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
     BUILTIN,
     TRACKERS,
+    CheckpointConfig,
     ConfigError,
+    DataConfig,
     LoraConfig,
+    MetricsConfig,
+    ModelConfig,
     ParallelConfig,
+    RunConfig,
+    ScalingConfig,
     TrainConfig,
+    TrainLoopConfig,
 )
 from raysft.storage import is_remote
 
@@ -25,39 +32,27 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that need more than one value; type checks happen while loading."""
-    t, s, c, p, d = cfg.train, cfg.scaling, cfg.checkpoint, cfg.parallel, cfg.data
+    """Each section's checks, then those that join sections; type checks happen while loading."""
+    check_train(cfg.train)
+    check_scaling(cfg.scaling)
+    check_checkpoint(cfg.checkpoint)
+    check_data(cfg.data)
+    check_parallel(cfg.parallel)
+    check_model(cfg.model)
+    check_run(cfg.run)
+    check_metrics(cfg.metrics)
+    _validate_batch(cfg)
+    _validate_eval(cfg)
+    _validate_storage(cfg)
+
+
+def check_train(t: TrainLoopConfig) -> None:
     _require(t.max_steps > 0, "train.max_steps", f"must be > 0, got {t.max_steps}")
     _require(0 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
              f"must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
     _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
-    _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
-    _require(0 <= s.min_workers <= s.num_workers, "scaling.min_workers",
-             f"must be in [0, scaling.num_workers={s.num_workers}], got {s.min_workers}")
-    _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
-    _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
-    _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")
     _require(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", f"must be >= 0, got {t.micro_batch_tokens}")
-    if t.micro_batch_tokens:
-        _require(d.packing, "train.micro_batch_tokens", "needs data.packing: true (padded batches are cut by samples)")
-        _require(t.micro_batch_tokens >= d.max_seq_len, "train.micro_batch_tokens",
-                 f"{t.micro_batch_tokens} is less than data.max_seq_len={d.max_seq_len}")
     _require(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
-    _require(cfg.model.attn_implementation != "varlen" or d.packing, "model.attn_implementation",
-             "'varlen' needs data.packing: true (it takes the sample boundaries of packed rows)")
-    for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
-        per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * workers
-        _require(
-            t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
-            "train.global_batch_size",
-            (f"{t.global_batch_size} must be a positive multiple of the workers ({workers}): with "
-             "train.micro_batch_tokens every worker takes as many samples" if t.micro_batch_tokens else
-             f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
-             f"= {t.micro_batch_size} × {workers} = {per_step}")
-            + (f" (scaling.min_workers={s.min_workers}: every worker count up to {s.num_workers} must divide it)"
-               if s.min_workers else ""),
-        )
-        _validate_parallel(p, workers)
     _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
@@ -72,52 +67,101 @@ def validate(cfg: TrainConfig) -> None:
              f"must be 0 (off) or > 1 (a multiple of the median loss), got {t.loss_spike_factor}")
     _require(t.log_every_n_steps > 0, "train.log_every_n_steps", f"must be > 0, got {t.log_every_n_steps}")
     _require(t.report_every_n_steps >= 0, "train.report_every_n_steps", f"must be >= 0, got {t.report_every_n_steps}")
+    _require(t.eval_every_n_steps >= 0, "train.eval_every_n_steps", f"must be >= 0, got {t.eval_every_n_steps}")
+
+
+def check_scaling(s: ScalingConfig) -> None:
+    _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
+    _require(0 <= s.min_workers <= s.num_workers, "scaling.min_workers",
+             f"must be in [0, scaling.num_workers={s.num_workers}], got {s.min_workers}")
+    _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
+    _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
+    _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")
+
+
+def check_checkpoint(c: CheckpointConfig) -> None:
     _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
-    _validate_eval(cfg)
+    _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
+
+
+def check_data(d: DataConfig) -> None:
     _require(d.max_seq_len >= 2, "data.max_seq_len", f"must be >= 2, got {d.max_seq_len}")
     _require(len(d.paths) > 0, "data.paths", "needs at least one file")
+    _require(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
+    _require(not (d.eval_paths and d.eval_fraction), "data.eval_fraction",
+             "set data.eval_paths or data.eval_fraction, not both")
     seen: dict[str, str] = {}
     for path, _ in data_sources(d.paths):  # the same file twice would silently double its samples
         same = _same_file(path)
         _require(same not in seen, "data.paths", f"lists {seen.get(same)!r} and {path!r}, the same file twice (a "
                  "weight samples a source more or less often: {path: ..., weight: w})")
         seen[same] = path
+    for path, _ in data_sources(d.eval_paths, "data.eval_paths"):
+        _require(_same_file(path) not in seen, "data.eval_paths",
+                 f"{path!r} is also in data.paths: validation on training records measures nothing (use "
+                 "data.eval_fraction to hold records of a training file out)")
+
+
+def check_parallel(p: ParallelConfig) -> None:
+    """What needs no worker count; the layout is checked for each (parallel_layout)."""
+    _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
              f"must be 'none', 'full' or a positive integer k (every k-th layer), got {ac!r}")
-    _require(bool(cfg.model.path or cfg.model.config), "model.config",
-             "set model.path (fine-tune) or model.config (from scratch)")
-    _require(bool(cfg.model.tokenizer or cfg.model.path), "model.tokenizer",
-             "no tokenizer: set model.tokenizer or model.path")
-    _require(cfg.run.stop_grace_s > 0, "run.stop_grace_s", f"must be > 0 seconds, got {cfg.run.stop_grace_s}")
-    _require(is_plain_name(cfg.run.name), "run.name",
-             f"must be a plain directory name (not '.' or '..', no path separator), got {cfg.run.name!r}: "
+
+
+def check_model(m: ModelConfig) -> None:
+    _require(bool(m.path or m.config), "model.config", "set model.path (fine-tune) or model.config (from scratch)")
+    _require(bool(m.tokenizer or m.path), "model.tokenizer", "no tokenizer: set model.tokenizer or model.path")
+    _validate_attention(m.attn_implementation)
+    _validate_lora(m.lora)
+
+
+def check_run(r: RunConfig) -> None:
+    _require(r.stop_grace_s > 0, "run.stop_grace_s", f"must be > 0 seconds, got {r.stop_grace_s}")
+    _require(is_plain_name(r.name), "run.name",
+             f"must be a plain directory name (not '.' or '..', no path separator), got {r.name!r}: "
              "the run directory is always a child of run.storage_path")
-    _validate_attention(cfg.model.attn_implementation)
-    _validate_storage(cfg)
-    _validate_lora(cfg.model.lora)
+
+
+def check_metrics(m: MetricsConfig) -> None:
+    unknown = [name for name in m.trackers if name not in TRACKERS]
+    _require(not unknown, "metrics.trackers", f"{unknown[0] if unknown else ''!r} is not one of {', '.join(TRACKERS)}")
+
+
+def _validate_batch(cfg: TrainConfig) -> None:
+    """The batch against the data layout and every worker count Ray may pick (scaling.min_workers: elastic)."""
+    t, s, d = cfg.train, cfg.scaling, cfg.data
+    if t.micro_batch_tokens:
+        _require(d.packing, "train.micro_batch_tokens", "needs data.packing: true (padded batches are cut by samples)")
+        _require(t.micro_batch_tokens >= d.max_seq_len, "train.micro_batch_tokens",
+                 f"{t.micro_batch_tokens} is less than data.max_seq_len={d.max_seq_len}")
+    _require(cfg.model.attn_implementation != "varlen" or d.packing, "model.attn_implementation",
+             "'varlen' needs data.packing: true (it takes the sample boundaries of packed rows)")
+    for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
+        per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * workers
+        _require(
+            t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
+            "train.global_batch_size",
+            (f"{t.global_batch_size} must be a positive multiple of the workers ({workers}): with "
+             "train.micro_batch_tokens every worker takes as many samples" if t.micro_batch_tokens else
+             f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
+             f"= {t.micro_batch_size} × {workers} = {per_step}")
+            + (f" (scaling.min_workers={s.min_workers}: every worker count up to {s.num_workers} must divide it)"
+               if s.min_workers else ""),
+        )
+        parallel_layout(cfg.parallel, workers)
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
+    """Validation needs validation data: data.eval_paths or data.eval_fraction."""
     d, t, c = cfg.data, cfg.train, cfg.checkpoint
-    _require(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", f"must be in [0, 1), got {d.eval_fraction}")
-    _require(not (d.eval_paths and d.eval_fraction), "data.eval_fraction",
-             "set data.eval_paths or data.eval_fraction, not both")
-    train = {_same_file(path) for path, _ in data_sources(d.paths)}
-    for path, _ in data_sources(d.eval_paths, "data.eval_paths"):
-        _require(_same_file(path) not in train, "data.eval_paths",
-                 f"{path!r} is also in data.paths: validation on training records measures nothing (use "
-                 "data.eval_fraction to hold records of a training file out)")
     has_eval = bool(d.eval_paths or d.eval_fraction)
-    _require(t.eval_every_n_steps >= 0, "train.eval_every_n_steps", f"must be >= 0, got {t.eval_every_n_steps}")
     _require(has_eval or not t.eval_every_n_steps, "train.eval_every_n_steps",
              "needs validation data: set data.eval_paths or data.eval_fraction")
-    _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
     _require(has_eval or not c.keep_best, "checkpoint.keep_best",
              "ranks checkpoints by eval loss: set data.eval_paths or data.eval_fraction")
-    unknown = [name for name in cfg.metrics.trackers if name not in TRACKERS]
-    _require(not unknown, "metrics.trackers", f"{unknown[0] if unknown else ''!r} is not one of {', '.join(TRACKERS)}")
 
 
 def data_sources(paths: list[str | dict], name: str = "data.paths") -> list[tuple[str, float]]:
@@ -182,20 +226,23 @@ def _validate_lora(lora: LoraConfig) -> None:
              "LoRA needs peft, which is not installed: pip install 'raysft[lora]' (or set model.lora.r: 0)")
 
 
-def _validate_parallel(p: ParallelConfig, num_workers: int) -> None:
-    """What can be checked before Ray places the workers; the node layout is checked in the workers."""
-    _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
+def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int] | None:
+    """The (replicate, shard) sizes that the configuration fixes for `num_workers` workers, checked: the one place
+    the layout is validated, on the driver for every worker count and in the workers for the mesh
+    (raysft.parallelize.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes."""
     shard = p.hsdp_shard_size
     _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
     if p.sharding != "HYBRID_SHARD":
         _require(shard == 0, "parallel.hsdp_shard_size", f"applies to HYBRID_SHARD only (sharding is {p.sharding})")
-        return
+        return (num_workers, 1) if p.sharding == "NO_SHARD" else (1, num_workers)
     _require(num_workers >= 4, "parallel.sharding",
              f"HYBRID_SHARD needs at least 4 workers (2 replicas of a shard group of 2 or more), got "
              f"scaling.num_workers={num_workers}; use FULL_SHARD")
-    if shard:
-        _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
-                 f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
-        _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
-                 f"shard-group size {shard} of {num_workers} workers leaves "
-                 f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
+    if not shard:
+        return None
+    _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
+             f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
+    _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
+             f"shard-group size {shard} of {num_workers} workers leaves "
+             f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
+    return num_workers // shard, shard

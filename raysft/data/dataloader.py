@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from raysft.data import IGNORE_INDEX, store_files
+from raysft.data.labels import IGNORE_INDEX
+from raysft.data.store import store_files
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Which run a launch continues and from which checkpoint.
+"""What a launch does on the driver before any worker starts: the tokenized stores, the checks every worker would
+fail alike (tokenizer, model files, attention, batch), and the run directory claimed with its identity.
 
 A run is its directory `<run.storage_path>/<run.name>`, local or on remote storage (raysft.storage). Launching again
 with the same name continues it, so what defines the run (the data, the model, the seed of the data order) is
@@ -19,10 +20,11 @@ from transformers import PreTrainedTokenizerBase
 from raysft.attention import check_attention
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
+from raysft.data.tokenizer import load_tokenizer
+from raysft.lora import add_adapters
 from raysft.loss import check_chunked_loss
-from raysft.model import load_model_config
+from raysft.model import build_meta_model, load_model_config
 from raysft.storage import Location, location, native
-from raysft.tokenizer import load_tokenizer
 from raysft.trackers import check_trackers
 
 RUN_FILE = "raysft_run.json"
@@ -68,9 +70,6 @@ def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)
     if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
-        from raysft.lora import add_adapters
-        from raysft.model import build_meta_model
-
         add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
 
 

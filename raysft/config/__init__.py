@@ -1,0 +1,36 @@
+"""The run configuration: what can be set, how it is read and what it must pass.
+
+Modules, by role (each imports only those above it in this list):
+  sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics),
+            composed into TrainConfig; their docstrings are the configuration reference (reference_markdown)
+  checks    the checks beyond types, one function per section (check_train, check_data, ...) and then those that
+            join sections; the parallel layout, checked in one place for the driver and the workers (parallel_layout)
+  load      YAML and `--set section.key=value` overrides into the dataclasses, each value's type checked, then
+            the checks: load_config and config_from_dict are the only ways in
+"""
+
+from raysft.config.checks import data_sources, parallel_layout
+from raysft.config.load import config_from_dict, load_config
+from raysft.config.sections import (
+    ATTN_IMPLEMENTATIONS,
+    BUILTIN,
+    TRACKERS,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoraConfig,
+    MetricsConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    ScalingConfig,
+    TrainConfig,
+    TrainLoopConfig,
+    reference_markdown,
+)
+
+__all__ = [
+    "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
+    "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
+    "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown",
+]

@@ -1,0 +1,149 @@
+"""The worker side of the Ray edge: the function every Ray Train worker runs, and the adapters that give the
+Ray-free training loop (raysft.trainer) Ray's context, checkpoint registration, reports, preemption notices and the
+driver's stop request. Nothing here runs on the driver; raysft.launch starts the workers with `train_worker`.
+
+Checkpoints on a local or shared (NFS) run.storage_path are written once, by the workers, straight into the run
+directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpoint's
+DirectorySink); on remote storage (s3://, ...) each worker writes node-local scratch that Ray uploads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+import ray.train
+from ray.train import Checkpoint
+from ray.train.v2.api.report_config import CheckpointUploadMode
+
+from raysft.checkpoint import (
+    CheckpointSaveError,
+    DirectorySink,
+    NonFiniteStateError,
+    ScratchSink,
+    Sink,
+    checkpoint_name,
+    clear_scratch,
+    existing_checkpoint_names,
+    scratch_root,
+)
+from raysft.config import ConfigError, TrainConfig, config_from_dict
+from raysft.step_guard import TrainingDivergedError
+from raysft.storage import location, use_filesystem
+from raysft.trainer import Trainer, WorkerContext, resume_trainer
+
+# Raised on every rank at the same point and certain to happen again after a restart: the workers end the run
+# cleanly, rank 0 leaving the error in this file for the driver to raise, instead of Ray retrying it
+# scaling.max_failures times. (A restart would resume from the last checkpoint into the same divergence.)
+NOT_RETRIED = (ConfigError, CheckpointSaveError, NonFiniteStateError, TrainingDivergedError)
+FATAL_ERROR_FILE = "raysft_error.json"
+EVAL_SCORE = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by
+
+
+def train_worker(loop_config: dict) -> None:
+    cfg = config_from_dict(loop_config["config"])
+    if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
+        use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
+    _quiet_report_lines()
+    worker = ray_worker_context()
+    if ray.train.get_context().get_local_rank() == 0:  # before the first collective, so before any worker saves
+        clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
+    try:
+        eval_store = loop_config.get("eval_store")
+        _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
+                       stop_requested(loop_config["stop_flag"], worker.rank)).train()
+    except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
+        if worker.rank == 0:
+            (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
+                json.dumps({"type": type(e).__name__, "message": str(e)}))
+
+
+def stop_requested(flag, rank: int) -> Callable[[], bool]:
+    """Rank 0 asks the driver's StopFlag (the loop shares the answer with every rank); a flag that is gone (the
+    driver with it) is no request: Ray ends the workers of a dead driver itself."""
+    def ask() -> bool:
+        try:
+            return rank == 0 and ray.get(flag.get.remote(), timeout=30)
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+
+    return ask
+
+
+def _quiet_report_lines() -> None:
+    """Ray Train logs every report (`Reporting training result N: TrainingReport(...)`, the whole metrics dict) at
+    INFO through a logger named by its file's path, which RunConfig's logging_config does not reach. Drop those
+    records from the console only: the worker's Ray Train log file still gets them. A Ray without that module or
+    handler is left as it is."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:
+        return
+    noisy = context.__file__
+
+    class _DropReports(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.name != noisy or record.levelno >= logging.WARNING
+
+    for handler in logging.getLogger().handlers:
+        if type(handler).__name__ == "PlainRayHandler":  # Ray Train's console handler; its file handlers differ
+            handler.addFilter(_DropReports())
+
+
+def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext, eval_store: Path | None = None,
+                   stop: Callable[[], bool] = lambda: False) -> Trainer:
+    """Resumes from the run's newest complete checkpoint. That is Ray's latest (`ray.train.get_checkpoint()`)
+    unless Ray's record of a newer one died with a worker, or its latest was cut short."""
+    sink = ray_sink(cfg, worker.rank, existing_checkpoint_names(cfg.run_dir))
+    return resume_trainer(cfg, store, worker, sink, ray_preemption_deadline, eval_store, stop)
+
+
+def ray_worker_context() -> WorkerContext:
+    ctx = ray.train.get_context()
+    return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                         device=ray.train.torch.get_device(), node_rank=ctx.get_node_rank())
+
+
+def ray_preemption_deadline() -> float | None:
+    """Collective (a Ray barrier of about 2 ms): when a node of this run will be taken away, if Ray knows."""
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return None
+    return info.deadline_ms / 1000 if info.deadline_ms else math.inf
+
+
+def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
+    """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes: ray_checkpoint_config);
+    on remote storage, Ray's upload from node-local scratch."""
+    scored = cfg.checkpoint.keep_best > 0
+    if isinstance(cfg.run_dir, Path):
+        return DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report,
+                             on_commit=lambda final, metrics: register_with_ray(final, scored_metrics(metrics, scored)))
+    return ScratchSink(lambda metrics, ckpt, step: ray_report(scored_metrics(metrics, ckpt is not None and scored),
+                                                               ckpt, step, taken),
+                       scratch_root(cfg.run.name, cfg.run_dir))
+
+
+def scored_metrics(metrics: dict, scored: bool) -> dict:
+    """With checkpoint.keep_best, a checkpoint that was not validated (a preemption's) gets eval_loss NaN, which
+    Ray ranks last, instead of Ray logging an error for the missing score."""
+    return {**metrics, EVAL_SCORE: math.nan} if scored and EVAL_SCORE not in metrics else metrics
+
+
+def register_with_ray(final: Path | None, metrics: dict) -> None:
+    """Every rank reports (a barrier); rank 0 names the checkpoint, already complete in the run directory."""
+    checkpoint = None
+    if final is not None:
+        checkpoint = Checkpoint(str(final), filesystem=ray.train.get_context().get_storage().storage_filesystem)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset()) -> None:
+    if checkpoint_dir is None:
+        ray.train.report(metrics)
+    else:
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
+                         checkpoint_dir_name=checkpoint_name(step, taken))
