@@ -36,16 +36,39 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """One local Ray per test module (4 logical CPUs: room for 2 workers and a second concurrent task)."""
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """One local Ray for the whole suite (4 logical CPUs: room for 2 workers and a second concurrent task), started
+    when a module first asks for ray_cluster: a head's start and stop cost seconds on 2 cores, and modules use it
+    one after another. Modules that need a cluster of another shape (nodes added and removed, system settings)
+    start their own; connecting to one of those in between and back here works. (A Ray started in this process
+    by ray.init in between, instead, left the next Ray Train run here failing to start its controller: an
+    in-process local Ray belongs in a subprocess.) Its object store is sized as ray.init's would be."""
+    head = start_cluster(tmp_path_factory.mktemp("ray"), num_cpus=4, object_store_memory=None)
+    yield head
+    head.shutdown()
+
+
+@contextlib.contextmanager
+def ray_connection(address: str, env_vars: dict[str, str] | None = None):
+    """This process connected to the Ray at address as a job of its own, whose tasks and actors get env_vars;
+    disconnecting ends the job and, with it, every task and actor it started (a detached one of Ray's stays)."""
     import ray
 
     # workers import worker functions from the test modules, so they need tests/ on their path
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}})
-    yield
-    ray.shutdown()
+    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}",
+                                                        **(env_vars or {})}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_head):
+    """The suite's Ray, connected for one test module."""
+    with ray_connection(ray_head.address):
+        yield
 
 
 def start_cluster(head_temp_dir, **head_args):

@@ -110,13 +110,13 @@ def test_elastic_range_needs_a_global_batch_that_every_worker_count_divides():
                            "train.global_batch_size=16"])  # 4 and 2 workers divide 16, 3 does not
 
 
-def test_the_readme_holds_the_current_configuration_reference():
+def test_the_configuration_doc_holds_the_current_configuration_reference():
     from conftest import REPO
 
     from raysft.config import reference_markdown
 
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("<!-- config-reference:")
-    table = readme[readme.index("\n", start) + 1: readme.index("<!-- config-reference:end -->")].strip()
-    assert table == reference_markdown(), "regenerate the README's table: python -c 'from raysft.config " \
-                                          "import reference_markdown as r; print(r())'"
+    doc = (REPO / "docs" / "CONFIGURATION.md").read_text()
+    start = doc.index("<!-- config-reference:")
+    table = doc[doc.index("\n", start) + 1: doc.index("<!-- config-reference:end -->")].strip()
+    assert table == reference_markdown(), "regenerate the table in docs/CONFIGURATION.md: python -c 'from " \
+                                          "raysft.config import reference_markdown as r; print(r())'"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pyarrow.fs as pafs
 import pytest
 import torch
-from conftest import REPO, gloo_processes, run_workers, tiny_config
+from conftest import REPO, gloo_processes, ray_connection, run_workers, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -54,22 +54,24 @@ def s3():
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint,
-                           "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        settings = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint,
+                    "AWS_EC2_METADATA_DISABLED": "true"}
+        for key, value in settings.items():
             env.setenv(key, value)
         fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
         fs.create_dir(BUCKET)
-        yield SimpleNamespace(endpoint=endpoint, fs=fs)
+        yield SimpleNamespace(endpoint=endpoint, fs=fs, env=settings)
         storage._RESOLVED.clear()
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(s3, ray_cluster):
-    """Ray started once the S3 settings are in the environment: its workers inherit them, as the workers of a
-    cluster whose nodes have them in theirs (or get them through the job's runtime_env)."""
-    yield
+def ray_cluster(s3, ray_head):
+    """The suite's Ray, with the S3 settings in this module's job's runtime_env: its workers get them as a cluster's
+    workers do from `ray job submit --runtime-env-json '{"env_vars": ...}'`."""
+    with ray_connection(ray_head.address, s3.env):
+        yield
 
 
 @pytest.fixture

@@ -263,8 +263,8 @@ class TrainConfig:
 
 
 def reference_markdown() -> str:
-    """The configuration reference in README.md, made from these dataclasses: every key, its default and its
-    docstring (tests/test_config.py checks that the README holds the current one: regenerate it with
+    """The configuration reference in docs/CONFIGURATION.md, made from these dataclasses: every key, its default and
+    its docstring (tests/test_config.py checks that the file holds the current one: regenerate it with
     `python -c 'from raysft.config import reference_markdown as r; print(r())'`)."""
     import ast
     import inspect
