@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -105,6 +105,8 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     if path.is_file():
         recorded = json.loads(path.read_text())
         changed = [k for k in {**recorded, **identity} if recorded.get(k) != identity.get(k)]
+        if len(changed) > 1 and INIT_KEY in changed:  # it follows model.lora or model.path: those are named
+            changed.remove(INIT_KEY)
         if changed:
             key = changed[0]
             what = ("the training data (the contents of data.paths, the tokenizer, the chat template or "

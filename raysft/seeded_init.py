@@ -41,7 +41,8 @@ def init_parameters(model: nn.Module, seed: int, init_module: Callable[[str, nn.
     module with its own parameters swapped for full-size CPU tensors, under a torch RNG seeded from `seed` and the
     module's name (`name_of` maps a module path to the name that seeds it: without wrapper prefixes), and each
     parameter keeps its local slice of the result. Only the modules whose name `select` accepts are touched. A
-    parameter shared by two modules (tied weights) is initialized once, by the first. Not collective: every rank computes the same full values and keeps its own slice."""
+    parameter shared by two modules (tied weights) is initialized once, by the first. Not collective: every rank
+    computes the same full values and keeps its own slice."""
     done: set[int] = set()
     for path, module in model.named_modules():
         name = name_of(path)

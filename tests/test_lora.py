@@ -27,8 +27,8 @@ from raysft.lora import is_adapter
 from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model, load_model_config
-from raysft.seeded_init import INIT_SCHEME
 from raysft.run import launch, prepare_on_rank0, run_trainer
+from raysft.seeded_init import INIT_SCHEME
 from raysft.tokenizer import load_tokenizer
 from raysft.trainer import Trainer
 
