@@ -49,10 +49,11 @@ def _sharded_weights(ctx, variants: list[tuple[str, str, bool]]) -> dict:
 
 
 def test_the_seeded_initialization_is_the_same_on_1_2_and_4_ranks_under_every_strategy(gloo_pool, gloo_pool4):
-    two = gloo_pool.run(_sharded_weights, [("untied", "FULL_SHARD", True), ("untied", "SHARD_GRAD_OP", False),
-                                           ("untied", "NO_SHARD", True), ("tied", "FULL_SHARD", False)])[0]
-    four = gloo_pool4.run(_sharded_weights, [("untied", "FULL_SHARD", True), ("untied", "FULL_SHARD", False),
-                                             ("untied", "HYBRID_SHARD", True), ("untied", "NO_SHARD", False),
+    # every layout: shards of 2 and 4 (uneven, and empty for lora_A), 2 x 2 HYBRID, whole copies under NO_SHARD;
+    # a LoRA variant checks the base weights too (they equal the model's without LoRA, below)
+    two = gloo_pool.run(_sharded_weights, [("untied", "FULL_SHARD", True), ("untied", "NO_SHARD", True),
+                                           ("tied", "SHARD_GRAD_OP", False)])[0]
+    four = gloo_pool4.run(_sharded_weights, [("untied", "FULL_SHARD", True), ("untied", "HYBRID_SHARD", False),
                                              ("tied", "FULL_SHARD", True)])[0]
     for name, config in _configs().items():
         one = build_full_model(ModelConfig(), config, SEED).state_dict()  # one process: the reference
