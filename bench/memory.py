@@ -12,8 +12,8 @@ What is measured on every worker during the training steps (the table shows the 
                  gradients, optimizer state, activations and temporaries
   process peak   GPU: the CUDA caching allocator's peak. CPU: the resident set size sampled every 5 ms, minus the
                  size before the model was built; it also counts what the C allocator keeps after frees
-Rank 0 also builds one full copy of the initial weights to broadcast them; that happens before the steps and is
-written to the JSON as init_peak_mib.
+The initial weights are built before the steps (pretrained: rank 0 loads a full copy and broadcasts it; from scratch:
+each rank initializes its shards, one module at a time); that peak is written to the JSON as init_peak_mib.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report).
+"""`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report, plan).
 
 Only `train` needs Ray: it reaches raysft.launch through `raysft.train`, which imports Ray on first use, so that
-`export`, `chat`, `report` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
+`export`, `chat`, `report`, `plan` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 
@@ -20,6 +21,8 @@ from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.metrics import METRICS_FILE, ProgressBar
+from raysft.model import load_model_config
+from raysft.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
 from raysft.report import draw, read_curves
 from raysft.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.storage import location
@@ -62,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--prompt", help="print the answer to PROMPT and exit (default: a REPL on stdin)")
     p_chat.add_argument("--system", help="system message opening the conversation")
     p_chat.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p_plan = sub.add_parser("plan", help="print the memory a run needs per worker and per host, and whether it fits "
+                                         "(starts nothing)")
+    add_config_args(p_plan)
+    p_plan.add_argument("--workers", type=int, help="workers (default: scaling.num_workers)")
+    p_plan.add_argument("--nodes", type=int, help="nodes the workers are spread on (default: the cluster's GPU "
+                                                   "nodes, else workers / parallel.hsdp_shard_size, else 1)")
+    p_plan.add_argument("--gpu-mem-gib", type=float, help="memory of one GPU (default: read from the Ray cluster "
+                                                           "in RAY_ADDRESS when there is one)")
+    p_plan.add_argument("--tokens", type=int, help="tokens of the largest micro-batch (default: "
+                                                    "train.micro_batch_tokens, else micro_batch_size x max_seq_len)")
     p_report = sub.add_parser("report", help=f"plot a run's loss and tokens/s from its {METRICS_FILE}")
     p_report.add_argument("run_dir")
     p_report.add_argument("--out", metavar="FILE.png", help="where to write the plot (default: RUN_DIR/report.png)")
@@ -75,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt needs --export DIR")
     if args.command == "train" and args.force and not args.export:
         parser.error("--force needs --export DIR")
+    for name in ("workers", "nodes", "gpu_mem_gib", "tokens"):
+        if args.command == "plan" and getattr(args, name) is not None and getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.command == "export" and args.max_shard_mb <= 0:
         parser.error(f"--max-shard-mb must be at least 1, got {args.max_shard_mb}")
 
@@ -90,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return _report(args.run_dir, args.out)
         config = load_config(args.config, args.overrides)
+        if args.command == "plan":
+            return _plan(config, args.workers, args.nodes, args.gpu_mem_gib, args.tokens)
         if args.command == "prepare":
             return _prepare(config)
         return _train(config, args.fresh, args.export, args.prompt, args.force)
@@ -145,6 +163,35 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
         if prompt:
             print(f"user: {prompt}\nassistant: {generate_answer(out, prompt)}")
     return 0
+
+
+def _plan(config: TrainConfig, workers: int | None, nodes: int | None, gpu_mem_gib: float | None,
+          tokens: int | None) -> int:
+    tokenizer = load_tokenizer(config.model, config.data.chat_template)
+    shape = model_shape(config, load_model_config(config.model, tokenizer))
+    workers = workers or config.scaling.num_workers
+    cluster = _cluster_gpus() if os.environ.get("RAY_ADDRESS") and (gpu_mem_gib is None or nodes is None) else None
+    if cluster:
+        print(f"raysft: cluster in RAY_ADDRESS: {cluster[1]} GPU node(s) of {cluster[0] or 'unknown'} GPUs")
+    gpu_bytes = gpu_mem_gib * GiB if gpu_mem_gib else None
+    if gpu_bytes is None and cluster and cluster[0] in GPU_MEMORY_GB:
+        gpu_bytes = GPU_MEMORY_GB[cluster[0]] * 1e9
+    if nodes is None:
+        shard = config.parallel.hsdp_shard_size
+        nodes = cluster[1] if cluster and cluster[1] else (workers // shard if shard and not workers % shard else 1)
+    print(render(config, plan(config, shape, Topology(workers, nodes, gpu_bytes), tokens)))
+    return 0
+
+
+def _cluster_gpus() -> tuple[str | None, int]:
+    """(accelerator type, number of GPU nodes) of the running cluster in RAY_ADDRESS; it is only read."""
+    ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+    try:
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU")]
+    finally:
+        ray.shutdown()
+    kinds = {k.removeprefix("accelerator_type:") for r in nodes for k in r if k.startswith("accelerator_type:")}
+    return (kinds.pop() if len(kinds) == 1 else None), len(nodes)
 
 
 def _chat(model_dir: str, prompt: str | None, system: str | None, max_new_tokens: int) -> int:

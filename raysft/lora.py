@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import nn
 
 from raysft.config import ConfigError, LoraConfig, TrainConfig
+from raysft.seeded_init import INIT_SCHEME, clean_name, init_parameters
 
 ADAPTER = "default"  # peft's adapter name; raysft trains one adapter
 
@@ -34,22 +34,30 @@ def peft_config(cfg: LoraConfig, base_path: str | None = None):
 
 def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int | None = None) -> nn.Module:
     """Inject the adapters in place and freeze everything else; a no-op with r = 0. On the meta device they stay
-    there (materialized with the rest); with `seed`, A is initialized from that seed alone (B is zero), the same
-    on any topology, without touching the caller's RNG."""
+    there (materialized with the rest); with `seed`, they get the seeded initialization of raysft.seeded_init
+    (the values the sharded model's adapters get from the same seed, on any topology), the caller's RNG untouched."""
     if not cfg.r:
         return model
     import peft
 
-    with torch.random.fork_rng(devices=[], enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        try:
-            model = peft.inject_adapter_in_model(peft_config(cfg), model)
-        except ValueError as e:  # peft: "Target modules {...} not found in the base model"
-            _config_error(e, cfg.target_modules)
+    try:
+        model = peft.inject_adapter_in_model(peft_config(cfg), model)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        _config_error(e, cfg.target_modules)
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+    if seed is not None:
+        init_parameters(model, seed, init_adapter, name_of=clean_name, select=lambda name: is_adapter(f"{name}."))
     return model
+
+
+def init_adapter(name: str, module: nn.Module) -> None:
+    """peft's default initialization of one adapter matrix: A as nn.Linear's own (Kaiming-uniform), B zero, so
+    that the adapted model starts as its base."""
+    if f".lora_B.{ADAPTER}." in f"{name}.":
+        nn.init.zeros_(module.weight)
+    else:
+        module.reset_parameters()
 
 
 def _config_error(e: Exception, targets: Iterable[str]) -> None:
@@ -63,9 +71,12 @@ def is_adapter(name: str) -> bool:
 
 def record(cfg: TrainConfig) -> dict | None:
     """What a LoRA checkpoint must say to be exported on its own: the adapters' settings and where the frozen base
-    comes from (None for full fine-tuning)."""
+    comes from (None for full fine-tuning): `model.path`, or the seeded initialization named by its scheme."""
     lora = cfg.model.lora
     if not lora.r:
         return None
+    base = {"path": cfg.model.path, "seed": cfg.train.seed}
+    if not cfg.model.path:
+        base["init"] = INIT_SCHEME
     return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
-            "base": {"path": cfg.model.path, "seed": cfg.train.seed}}
+            "base": base}

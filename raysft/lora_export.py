@@ -26,6 +26,7 @@ from raysft.config import LoraConfig, ModelConfig
 from raysft.lora import ADAPTER, peft_config
 from raysft.model import build_full_model, tied_parameter_aliases
 from raysft.model_files import check_config_file, check_model_dir
+from raysft.seeded_init import INIT_SCHEME
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -122,19 +123,25 @@ class _InMemory:
 def _base_weights(base: dict, config_dir: Path):
     if base["path"]:
         return _SafetensorsDir(Path(base["path"]).expanduser())
-    model = scratch_base(config_dir, base["seed"])
+    model = scratch_base(config_dir, base)
     aliases = tied_parameter_aliases(model)
     return _InMemory({k: v for k, v in model.state_dict().items() if k not in aliases})
 
 
-def scratch_base(config_dir: Path, seed: int) -> nn.Module:
+def scratch_base(config_dir: Path, base: dict) -> nn.Module:
     """The base of a run trained from scratch: the seeded initialization of the config in config_dir, the same
-    as every launch of the run built (raysft.model.build_full_model)."""
+    as every launch of the run built (raysft.model.build_full_model). `base` is the checkpoint's record of it
+    (raysft.lora.record): one initialized under another scheme (or before schemes were recorded) would be other
+    weights than those the adapters were trained on, so it is refused."""
     from transformers import AutoConfig
 
     check_config_file(config_dir / "config.json")
+    if base.get("init") != INIT_SCHEME:
+        raise CheckpointError(f"{config_dir}: its from-scratch base was initialized by scheme {base.get('init')!r}, "
+                              f"this raysft initializes by {INIT_SCHEME!r}: the base would not be the one the "
+                              "adapters were trained on; export it with the raysft version that trained it")
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True, trust_remote_code=False)
-    return build_full_model(ModelConfig(path=""), config, seed)
+    return build_full_model(ModelConfig(path=""), config, base["seed"])
 
 
 def load_adapter_dir(path: Path) -> nn.Module:
@@ -152,5 +159,5 @@ def load_adapter_dir(path: Path) -> nn.Module:
         if not export.is_file():
             raise FileNotFoundError(f"{path}: an adapter directory without base_model_name_or_path in "
                                     f"{ADAPTER_CONFIG} and without raysft_export.json: its base is unknown")
-        base = scratch_base(path, json.loads(export.read_text())["lora"]["base"]["seed"])
+        base = scratch_base(path, json.loads(export.read_text())["lora"]["base"])
     return PeftModel.from_pretrained(base, str(path))

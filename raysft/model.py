@@ -1,8 +1,9 @@
-"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, in full on rank 0 only.
+"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, in full only where needed.
 
 Every rank builds the model with parameters on the meta device (no memory), shards it and then materializes only
-its own shards. Rank 0 alone builds a real copy (pretrained weights or a seeded initialization) whose full state
-dict is broadcast shard by shard. That keeps one full copy in the job, where the alternative is one per rank.
+its own shards. A from-scratch model is initialized there, each rank computing its own slices module by module
+(raysft.seeded_init): no rank holds a full copy. Pretrained weights: rank 0 alone builds a real copy whose full
+state dict is broadcast shard by shard, one full copy in the job where the alternative is one per rank.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 
 import raysft.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
-from raysft.lora import add_adapters
+from raysft.lora import add_adapters, init_adapter, is_adapter
 from raysft.model_files import ModelDirError, check_config_file, check_model_dir
+from raysft.seeded_init import clean_name, init_parameters
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -93,13 +95,31 @@ def build_meta_model(config: PretrainedConfig, attn_implementation: str) -> nn.M
 
 
 def build_full_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> nn.Module:
-    """A real fp32 copy on CPU: the pretrained weights, or a seeded initialization (same on any topology)."""
+    """A real fp32 copy on CPU, without adapters: the pretrained weights, or the seeded initialization, which is
+    that of the sharded model on any topology (`init_from_seed` with one rank)."""
     if cfg.path:
         return AutoModelForCausalLM.from_pretrained(cfg.path, config=config, local_files_only=True,
                                                     trust_remote_code=False, dtype=torch.float32,
                                                     attn_implementation=cfg.attn_implementation)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation, dtype=torch.float32)
+    model = build_meta_model(config, cfg.attn_implementation)
+    materialize(model, torch.device("cpu"))
+    model.tie_weights()  # to_empty gave each alias of a tied weight its own tensor
+    init_from_seed(model, seed)
+    return model
+
+
+def init_from_seed(model: nn.Module, seed: int) -> None:
+    """Not collective: the seeded initialization of every parameter (full, or this rank's shards), module by
+    module (raysft.seeded_init). The model's own `_init_weights` initializes its modules, peft's rule the LoRA
+    adapters (raysft.lora.init_adapter). Modules are named without wrappers, and an adapted layer's base weight as
+    the layer itself, so a base weight has the same value with LoRA or without it."""
+    def init_module(name: str, module: nn.Module) -> None:
+        if is_adapter(f"{name}."):
+            init_adapter(name, module)
+        else:
+            model._init_weights(module)
+
+    init_parameters(model, seed, init_module, name_of=lambda path: clean_name(path).replace(".base_layer", ""))
 
 
 def tied_parameter_aliases(model: nn.Module) -> dict[str, str]:
@@ -134,7 +154,11 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
 
 
 def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
-    """Collective: rank 0 builds the full model on CPU and broadcasts it; every rank keeps only its shards."""
+    """Collective for pretrained weights: rank 0 builds the full model on CPU and broadcasts it; every rank keeps
+    only its shards. From scratch, each rank initializes its own shards (`init_from_seed`), no collective."""
+    if not cfg.path:
+        init_from_seed(model, seed)
+        return
     # LoRA: the adapters' initial values come along, seeded
     full_sd = add_adapters(build_full_model(cfg, config, seed), cfg.lora, seed).state_dict() \
         if dist.get_rank() == 0 else {}

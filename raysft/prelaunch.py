@@ -24,6 +24,7 @@ from raysft.data.tokenizer import load_tokenizer
 from raysft.lora import add_adapters
 from raysft.loss import check_chunked_loss
 from raysft.model import build_meta_model, load_model_config
+from raysft.seeded_init import INIT_SCHEME
 from raysft.storage import Location, location, native
 from raysft.trackers import check_trackers
 
@@ -32,6 +33,7 @@ RUN_FILE = "raysft_run.json"
 # of the samples (the seed), so samples would be skipped or seen twice.
 RUN_DEFINING_KEYS = ("model.path", "model.config", "model.tokenizer", "train.seed")
 DATA_KEY = "data"  # the tokenized store's fingerprint: data files' contents, tokenizer, template, length
+INIT_KEY = "model.init"  # the seeded initialization's scheme, for a run whose base is rebuilt from the seed
 
 
 class Stores(NamedTuple):
@@ -102,11 +104,16 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     if path.is_file():
         recorded = json.loads(path.read_text())
         changed = [k for k in {**recorded, **identity} if recorded.get(k) != identity.get(k)]
+        if len(changed) > 1 and INIT_KEY in changed:  # it follows model.lora or model.path: those are named
+            changed.remove(INIT_KEY)
         if changed:
             key = changed[0]
             what = ("the training data (the contents of data.paths, the tokenizer, the chat template or "
                     "data.max_seq_len) differs" if key == DATA_KEY else
                     f"it was started with {key}={recorded.get(key)!r}, this launch has {identity.get(key)!r}")
+            if key == INIT_KEY:
+                what += (" (the seeded initialization of its from-scratch LoRA base: the base this raysft builds "
+                         "from train.seed is not the one its adapters were trained on)")
             raise ConfigError(
                 f"run '{config.run.name}' in {run_dir} exists and {what}; launching again continues a run, so "
                 f"{', '.join(changed)} must match. Keep the run's settings, pick another run.name, or start over "
@@ -118,11 +125,18 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
 
 
 def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
+    """What must match on every launch. LoRA trains other weights: its settings define the run (absent: full
+    fine-tuning). A LoRA run from scratch rebuilds its frozen base from train.seed on every launch, so the scheme
+    of that seeded initialization defines it too (INIT_KEY): a run started under another scheme is refused, its
+    adapters being trained on other base weights. A full fine-tuning run resumes its weights from its checkpoint,
+    whatever the scheme."""
     values = config.to_dict()
     identity = {DATA_KEY: data_fingerprint}
     for key in RUN_DEFINING_KEYS:
         section, name = key.split(".")
         identity[key] = values[section][name]
-    if config.model.lora.r:  # LoRA trains other weights: its settings define the run (absent: full fine-tuning)
+    if config.model.lora.r:
         identity["model.lora"] = values["model"]["lora"]
+        if not config.model.path:
+            identity[INIT_KEY] = INIT_SCHEME
     return identity

@@ -29,6 +29,7 @@ from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from raysft.metrics import read_metrics
 from raysft.model import build_full_model, load_model_config
 from raysft.run import launch, prepare_on_rank0, run_trainer
+from raysft.seeded_init import INIT_SCHEME
 from raysft.trainer import Trainer
 
 peft = pytest.importorskip("peft")
@@ -69,7 +70,7 @@ def test_lora_training_lowers_the_loss_and_checkpoints_only_the_adapters(referen
     assert incomplete_reason(ckpt, checksums=True) is None
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
-                             "base": {"path": "", "seed": 0}}
+                             "base": {"path": "", "seed": 0, "init": INIT_SCHEME}}
     assert json.loads((run_dir / "raysft_run.json").read_text())["model.lora"]["r"] == 4
 
 

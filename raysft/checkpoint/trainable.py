@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from raysft.checkpoint.state import CheckpointError
+from raysft.seeded_init import clean_name
 
 
 def has_frozen_parameters(model: nn.Module) -> bool:
@@ -36,8 +37,3 @@ def check_adapter_names(model: nn.Module, names: Iterable[str], where: str) -> N
         raise CheckpointError(f"{where}: the checkpoint's trainable tensors do not match the model's: "
                               f"{len(missing)} missing ({missing[:2]}), {len(extra)} unexpected ({extra[:2]}): "
                               "another model.lora or model (the run identity should have refused it)")
-
-
-def clean_name(name: str) -> str:
-    """A parameter's state-dict name: without the wrappers that activation checkpointing and compile add."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

@@ -1,0 +1,216 @@
+"""`raysft plan`: what a run will need, per worker and per host, before anything starts.
+
+Counts come from the model's config on the meta device (no memory); the memory model is written out, with its
+derivation and its check against measured peaks, in docs/MEMORY.md. Every figure is in bytes; "per worker" is one
+GPU (or one CPU worker). No Ray here: the CLI passes the cluster's GPU memory when it can read it.
+
+Terms, with P parameters (T of them trained: all, or LoRA's adapters), S the shard group's size, p and r the
+bytes of parallel.mixed_precision and parallel.reduce_dtype, L the parameters of the largest decoder layer and
+R those outside the decoder layers (embeddings, final norm, LM head):
+  weights      4 P / S             fp32 shards (on the host with cpu_offload)
+  gradients    4 T / S             fp32 shards, from the end of backward to the optimizer step
+  optimizer    8 T / S             AdamW's two moments in fp32
+  gathered     p (R + 2 L)         the root for the whole step, the current layer and the one prefetched
+               (p (R + L) when S = 1; SHARD_GRAD_OP keeps every layer gathered: p (P + 2 L))
+  in flight    L_T (p + r)         one layer's unsharded gradient and its reduce-scatter buffer
+  activations  tokens x per layer  p (10 h + 3 i + 3 kv) per token and layer without checkpointing; a
+                                   checkpointed layer keeps only its input (p h) and one is recomputed at a time
+  logits       chunk x V (2p + 8)  the logits, fp32 log-softmax and both gradients, per loss chunk
+The peak is the larger of two moments: early in backward (weights, optimizer, gathered, activations, the larger
+of logits and in-flight gradients) and at its end (weights, gradients, optimizer, gathered, in flight).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from raysft.config import ConfigError, TrainConfig
+from raysft.lora import add_adapters
+from raysft.model import build_meta_model, decoder_layer_classes
+
+GiB, MiB = 2**30, 2**20
+# GPU memory by Ray's accelerator_type (Ray reports the model, not its memory), in vendor GB. A100 comes in 40 and
+# 80 GB under one name: not guessed.
+GPU_MEMORY_GB = {"H100": 80, "H200": 141, "H20": 96, "B200": 180, "L40S": 48, "L4": 24, "A10G": 24, "T4": 16,
+                 "V100": 16}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_ADAMW_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per trained parameter
+_LOGITS_FP32_BYTES = 8  # the fp32 log-softmax and its gradient, per logit
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs from a model: counted on the meta device, adapters included."""
+
+    params: int
+    trainable: int
+    layer_params: int  # the largest decoder layer
+    layer_trainable: int
+    root_params: int  # outside the decoder layers: embeddings, final norm, LM head
+    largest_module: int  # the largest single module's own parameters (seeded init and export hold one at a time)
+    layers: int
+    hidden: int
+    intermediate: int
+    kv: int  # key (= value) width: KV heads x head size
+    vocab: int
+
+
+def model_shape(cfg: TrainConfig, hf_config: PretrainedConfig) -> ModelShape:
+    with torch.device("meta"):
+        model = add_adapters(build_meta_model(hf_config, cfg.model.attn_implementation), cfg.model.lora)
+    layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    params = list(model.parameters())
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return ModelShape(
+        params=sum(p.numel() for p in params),
+        trainable=sum(p.numel() for p in params if p.requires_grad),
+        layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        layer_trainable=max(sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers),
+        root_params=sum(p.numel() for p in params if id(p) not in in_layers),
+        largest_module=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        layers=len(layers), hidden=hf_config.hidden_size, intermediate=hf_config.intermediate_size,
+        kv=hf_config.num_key_value_heads * head_dim, vocab=hf_config.vocab_size)
+
+
+@dataclass(frozen=True)
+class Topology:
+    workers: int
+    nodes: int
+    gpu_mem_bytes: float | None = None  # per GPU; None: unknown (no cluster and no --gpu-mem-gib)
+
+
+def shard_group(cfg: TrainConfig, topology: Topology) -> int:
+    """The shard group's size, as raysft.parallelize.mesh_shape lays it out (workers spread evenly on nodes)."""
+    sharding, workers = cfg.parallel.sharding, topology.workers
+    if sharding == "NO_SHARD":
+        return 1
+    if sharding != "HYBRID_SHARD":
+        return workers
+    if cfg.parallel.hsdp_shard_size:
+        return cfg.parallel.hsdp_shard_size
+    if topology.nodes < 2 or workers % topology.nodes:
+        raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD over {workers} workers on "
+                          f"{topology.nodes} node(s) has no shard group: give --nodes (2 or more, dividing the "
+                          "workers) or set parallel.hsdp_shard_size")
+    return workers // topology.nodes
+
+
+def micro_batch_tokens(cfg: TrainConfig) -> int:
+    """The most tokens one micro-batch can hold: train.micro_batch_tokens, else micro_batch_size padded rows of
+    data.max_seq_len (shorter data pads to less)."""
+    return cfg.train.micro_batch_tokens or cfg.train.micro_batch_size * cfg.data.max_seq_len
+
+
+def activation_bytes(cfg: TrainConfig, shape: ModelShape, tokens: int) -> float:
+    """What backward needs of the forward, kept from it: per token, each layer's saved tensors, or only its input
+    where the layer is checkpointed (plus one layer recomputed at a time)."""
+    p = BYTES[cfg.parallel.mixed_precision]
+    per_layer = p * (10 * shape.hidden + 3 * shape.intermediate + 3 * shape.kv)
+    ac = cfg.parallel.activation_checkpointing
+    checkpointed = 0 if ac == "none" else math.ceil(shape.layers / (1 if ac == "full" else int(ac)))
+    return tokens * ((shape.layers - checkpointed) * per_layer + checkpointed * p * shape.hidden
+                     + (per_layer if checkpointed else 0))
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    topology: Topology
+    shard_group: int
+    tokens: int
+    terms: dict[str, float]  # per worker
+    early_backward: float
+    end_of_backward: float
+    checkpoint_bytes: dict[str, float]  # per mode: the whole checkpoint
+    save_host_bytes: dict[str, float]  # per mode: host memory of the rank that saves the most
+    init_host_bytes: float  # host memory of the rank that builds the initial weights, on top of its shards
+    host_offload_bytes: float  # per worker, with parallel.cpu_offload: its shards on the host
+
+    @property
+    def peak(self) -> float:
+        return max(self.early_backward, self.end_of_backward)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.topology.gpu_mem_bytes is None else self.peak <= self.topology.gpu_mem_bytes
+
+
+def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | None = None) -> Plan:
+    """The memory a run of `cfg` needs on `topology`; `tokens`: the largest micro-batch (default: its bound)."""
+    s = shard_group(cfg, topology)
+    p, r = BYTES[cfg.parallel.mixed_precision], BYTES[cfg.parallel.reduce_dtype]
+    tokens = tokens or micro_batch_tokens(cfg)
+    layer = shape.layer_params
+    if cfg.parallel.sharding == "SHARD_GRAD_OP":
+        gathered = p * (shape.params + 2 * layer)
+    else:
+        gathered = p * (shape.root_params + (2 if s > 1 else 1) * layer)
+    chunk = min(tokens, cfg.train.loss_chunk_tokens) if cfg.train.loss_chunk_tokens else tokens
+    shards = 4 * shape.params / s
+    terms = {
+        "weights": 0.0 if cfg.parallel.cpu_offload else shards,
+        "gradients": 4 * shape.trainable / s,
+        "optimizer": _ADAMW_BYTES * shape.trainable / s,
+        "gathered": gathered,
+        "in flight": shape.layer_trainable * (p + r),
+        "activations": activation_bytes(cfg, shape, tokens),
+        "logits": chunk * shape.vocab * (2 * p + _LOGITS_FP32_BYTES),
+    }
+    if cfg.parallel.cpu_offload:  # gradients and optimizer state live with the shards on the host
+        offloaded = terms["gradients"] + terms["optimizer"]
+        terms["gradients"] = terms["optimizer"] = 0.0
+    else:
+        offloaded = 0.0
+    t = terms
+    early = t["weights"] + t["optimizer"] + t["gathered"] + t["activations"] + max(t["logits"], t["in flight"])
+    end = t["weights"] + t["gradients"] + t["optimizer"] + t["gathered"] + t["in flight"]
+    saved = 4 * (shape.trainable if cfg.model.lora.r else shape.params)  # LoRA: the adapters only
+    state = saved + _ADAMW_BYTES * shape.trainable
+    checkpoint = {"full": state, "sharded": state}
+    save_host = {"full": state, "sharded": state / s}  # full: rank 0 gathers it all; sharded: each its shards
+    init_host = 4 * shape.params if cfg.model.path else 4 * shape.largest_module
+    return Plan(shape, topology, s, tokens, terms, early, end, checkpoint, save_host, init_host,
+                shards + offloaded if cfg.parallel.cpu_offload else 0.0)
+
+
+def render(cfg: TrainConfig, result: Plan) -> str:
+    """The plan as `raysft plan` prints it."""
+    sh, topo = result.shape, result.topology
+    unit, size = ("GiB", GiB) if result.peak >= GiB else ("MiB", MiB)
+    lora = f", LoRA r={cfg.model.lora.r}: {sh.trainable / 1e6:,.1f}M trained" if cfg.model.lora.r else ""
+    lines = [
+        f"model: {sh.params / 1e9:.3f}B parameters ({sh.params:,}){lora}; {sh.layers} layers of "
+        f"{sh.layer_params / 1e6:,.1f}M, {sh.root_params / 1e6:,.1f}M outside them",
+        f"topology: {topo.workers} workers on {topo.nodes} node(s), {cfg.parallel.sharding}: shard group of "
+        f"{result.shard_group}; {cfg.parallel.mixed_precision} compute, {cfg.parallel.reduce_dtype} reduce, "
+        f"activation checkpointing {cfg.parallel.activation_checkpointing}, micro-batch of {result.tokens:,} tokens",
+        "", f"per worker ({unit}):"]
+    lines += [f"  {name:<17} {value / size:9.2f}" for name, value in result.terms.items()]
+    lines += [f"  early in backward {result.early_backward / size:9.2f}",
+              f"  end of backward   {result.end_of_backward / size:9.2f}",
+              f"  peak              {result.peak / size:9.2f}"]
+    if cfg.parallel.cpu_offload:
+        lines.append(f"  on the host (cpu_offload): {result.host_offload_bytes / size:.2f}")
+    if topo.gpu_mem_bytes is None:
+        lines.append("  fits: unknown (no cluster to read GPU memory from: give --gpu-mem-gib)")
+    else:
+        verdict = "yes" if result.fits else "NO"
+        lines.append(f"  fits {topo.gpu_mem_bytes / GiB:.1f} GiB per GPU: {verdict} "
+                     f"({result.peak / topo.gpu_mem_bytes:.0%}; leave a few GiB for the CUDA context, NCCL and "
+                     "fragmentation)")
+    lines += ["", f"checkpoint ({unit}): mode, its size, host memory of the rank that saves the most"]
+    for mode in ("full", "sharded"):
+        chosen = " <- checkpoint.mode" if cfg.checkpoint.mode == mode else ""
+        lines.append(f"  {mode:<8} {result.checkpoint_bytes[mode] / size:9.2f} "
+                     f"{result.save_host_bytes[mode] / size:9.2f}{chosen}")
+    if cfg.checkpoint.mode == "auto":
+        lines.append("  auto: full while 4 x the full row's host memory is available on rank 0, else sharded")
+    source = "rank 0 loads model.path in fp32" if cfg.model.path else "each rank, one module at a time (seeded)"
+    lines += ["", f"initial weights, host memory on top of the shards: {result.init_host_bytes / size:.2f} {unit} "
+                  f"({source})"]
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""`raysft plan` (raysft.plan): its parameter counts against the known Llama-3.1 sizes, and its per-worker peak
+against the peaks bench/memory.py measured on CPU (docs/bench/cpu-memory*.json), for every strategy there."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import REPO, cli_in_process
+from transformers import LlamaConfig
+
+from raysft.config import load_config
+from raysft.data import prepare_store
+from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, rank_micro_batches
+from raysft.plan import Topology, model_shape, plan
+from raysft.data.tokenizer import load_tokenizer
+
+MiB = 2**20
+BENCHES = sorted((REPO / "docs" / "bench").glob("cpu-memory*.json"))
+
+
+def _bench_model(args: dict, vocab: int) -> LlamaConfig:
+    """bench/common.py's Setup model for these arguments."""
+    hidden = args["hidden"]
+    return LlamaConfig(hidden_size=hidden, intermediate_size=args["intermediate"] or hidden * 8 // 3 // 64 * 64,
+                       num_hidden_layers=args["layers"], num_attention_heads=hidden // 64,
+                       num_key_value_heads=max(1, hidden // 256), vocab_size=args["vocab"] or vocab,
+                       tie_word_embeddings=False, max_position_embeddings=max(2048, args["seq_len"]))
+
+
+def _largest_micro_batch(dataset: TokenizedDataset, args: dict) -> int:
+    """The most tokens (padded rows) any rank's micro-batch held in the bench's steps: the demo's conversations
+    are shorter than seq_len, so its rows pad to the longest in each micro-batch, not to seq_len."""
+    workers, micro = args["workers"], args["micro_batch"]
+    sampler = GlobalBatchSampler(len(dataset), micro * workers, DataCursor(seed=0))
+    lengths = np.asarray(dataset.num_tokens)
+    most = 0
+    for _ in range(args["steps"]):
+        batch = sampler.next_batch()
+        for rank in range(workers):
+            for part in rank_micro_batches(batch, rank, workers, micro):
+                most = max(most, len(part) * int(lengths[part].max()))
+    return most
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    """The benches' data: the demo conversations at seq_len 256, tokenized once for the module."""
+    base = load_config(None, ["data.max_seq_len=256", f"run.storage_path={tmp_path_factory.mktemp('plan')}"])
+    tokenizer = load_tokenizer(base.model, base.data.chat_template)
+    return len(tokenizer), TokenizedDataset(prepare_store(base.data, tokenizer, base.store_dir).path)
+
+
+@pytest.mark.parametrize("bench", BENCHES, ids=lambda p: p.stem)
+def test_the_planned_peak_is_within_15_percent_of_bench_memory_on_every_strategy(demo_store, bench):
+    measured = json.loads(bench.read_text())
+    args = measured["args"]
+    assert not args["gpu"] and args["data"] == "builtin:demo" and args["seq_len"] == 256
+    vocab, dataset = demo_store
+    tokens = _largest_micro_batch(dataset, args)
+    for result in measured["results"]:
+        strategy = result["strategy"]
+        sharding, _, ac = strategy.removesuffix("+lora").partition("-ac")
+        lora = args.get("lora_r", 16) if strategy.endswith("+lora") else 0
+        shard_size = args["workers"] // 2 if sharding == "HYBRID_SHARD" else 0  # as bench/memory.py sets it
+        cfg = load_config(None, [f"model.lora.r={lora}", f"parallel.sharding={sharding}",
+                                 f"parallel.activation_checkpointing={ac or 'none'}",
+                                 f"parallel.mixed_precision={args['mixed_precision']}", "train.loss_chunk_tokens=0",
+                                 f"parallel.hsdp_shard_size={shard_size}", f"data.max_seq_len={args['seq_len']}",
+                                 f"train.micro_batch_size={args['micro_batch']}",
+                                 f"scaling.num_workers={args['workers']}"])
+        shape = model_shape(cfg, _bench_model(args, vocab))
+        planned = plan(cfg, shape, Topology(args["workers"], 1), tokens).peak / MiB
+        assert abs(planned / result["peak_tensors_mib"] - 1) <= 0.15, \
+            f"{bench.name} {strategy}: planned {planned:.0f} MiB, measured {result['peak_tensors_mib']:.0f} MiB"
+
+
+@pytest.mark.parametrize(("size", "params", "gpu_gib", "fits"),
+                         [("8b", "8,030,261,248", 80, "yes"), ("70b", "70,553,706,496", 80, "NO")])
+def test_raysft_plan_counts_a_llama_on_the_meta_device_and_says_whether_it_fits(size, params, gpu_gib, fits):
+    """Llama-3.1's published sizes; 70B does not fit 8 GPUs of 80 GB (16 bytes per parameter / 8 = 141 GB)."""
+    out = cli_in_process("plan", str(REPO / "jobs/configs/llama3-70b-4x8.yaml"), "--set", "model.path=",
+                         "--set", f"model.config={REPO}/jobs/configs/models/llama-3.1-{size}.json",
+                         "--set", "model.tokenizer=builtin:demo", "--workers", "8", "--gpu-mem-gib", str(gpu_gib))
+    assert out.returncode == 0, out.stderr
+    assert f"({params})" in out.stdout
+    assert f"fits {gpu_gib:.1f} GiB per GPU: {fits}" in out.stdout, out.stdout
+
+
+def test_hybrid_shard_without_a_node_count_is_a_config_error_naming_the_key():
+    hybrid = ("--set", "parallel.sharding=HYBRID_SHARD", "--set", "scaling.num_workers=4")
+    out = cli_in_process("plan", *hybrid)
+    assert out.returncode == 2 and "config key 'parallel.sharding': HYBRID_SHARD over 4 workers on 1 node" in out.stderr
+    assert "shard group of 2" in cli_in_process("plan", *hybrid, "--nodes", "2").stdout
