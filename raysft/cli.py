@@ -184,7 +184,10 @@ def _plan(config: TrainConfig, workers: int | None, nodes: int | None, gpu_mem_g
 
 
 def _cluster_gpus() -> tuple[str | None, int]:
-    """(accelerator type, number of GPU nodes) of the running cluster in RAY_ADDRESS; it is only read."""
+    """(accelerator type, number of GPU nodes) of the running cluster in RAY_ADDRESS; it is only read. Ray is
+    imported here, not at the top: `raysft plan` without a cluster runs where Ray is not installed."""
+    import ray
+
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
     try:
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU")]
