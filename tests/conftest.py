@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(items):
     """A test that takes a Ray cluster fixture is slow: `make test-fast` (-m "not slow") leaves it out. Modules
     that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves."""
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if {"ray_cluster", "netns_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -46,6 +46,29 @@ def ray_cluster(tmp_path_factory):
              runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}})
     yield
     ray.shutdown()
+
+
+# The namespace cluster's GCS declares a node dead after 5 missed health checks, 1 s apart (Ray's defaults: 3 s
+# apart, 10 s timeout each): the multi-node fault tests wait for that. Only speed depends on it.
+NETNS_RAY_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+                 "RAY_health_check_failure_threshold": "5"}
+
+
+@pytest.fixture(scope="session")
+def netns_cluster():
+    """One Ray cluster of 2 real nodes (a network namespace and an IP each, 2 logical CPUs each) for every test that
+    needs nodes Ray tells apart (tests/netns_cluster.py); skipped, with the reason, where namespaces cannot be made
+    (not root, no CAP_NET_ADMIN). Tests that break a node bring it back before they end."""
+    import netns_cluster as netns
+
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(f"no network-namespace cluster: {reason}")
+    cluster = netns.start(2, cpus=2, ray_env=NETNS_RAY_ENV)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
 
 
 def start_cluster(head_temp_dir, **head_args):
