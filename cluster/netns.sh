@@ -10,6 +10,8 @@
 #                                                    per node (default 2). Prints the cluster's tag and address.
 #   cluster/netns.sh exec I CMD...                   run CMD in node I's namespace (I=0: the head), e.g. a driver
 #                                                    with RAY_ADDRESS set to the head
+#   cluster/netns.sh join I                          a new Ray node in node I's namespace, replacing one whose
+#                                                    processes ended (killed, or Ray declared it dead)
 #   cluster/netns.sh status                          the namespaces and `ray status`
 #   cluster/netns.sh down [TAG]                      end every process in the cluster's namespaces, by PID, then
 #                                                    delete the namespaces and the state directory
@@ -81,36 +83,56 @@ up() {
         fi
     done
 
-    local head
-    head=$(node_ip 0):$PORT
-    local osm=$((${RAYSFT_NETNS_OBJECT_STORE_MB:-256} * 1024 * 1024))
-    # Job entrypoints run `python` from the raylet's PATH: make it the interpreter that has raysft and ray.
-    export PATH=$(dirname "$RAY"):$PATH
-    local common=(--num-cpus "$cpus" --num-gpus 0 --object-store-memory "$osm" --disable-usage-stats)
-    for ((i = 0; i < n; i++)); do
-        local args=(--node-ip-address "$(node_ip "$i")" --temp-dir "$state/n$i" "${common[@]}")
-        if ((i == 0)); then
-            args+=(--head --port "$PORT" --dashboard-host "$(node_ip 0)")
-        else
-            args+=(--address "$head")
-        fi
-        mkdir -p "$state/n$i"
-        # RAY_ADDRESS in the nodes' environment: Ray code in workers that looks the cluster up finds this one.
-        # The cluster's network exists only inside its namespaces: token auth stays off.
-        if ! ip netns exec "$(node_ns "$tag" "$i")" env RAY_ADDRESS="$head" RAY_AUTH_MODE=disabled \
-            "$RAY" start "${args[@]}" >"$state/n$i.log" 2>&1; then
-            tail -n 30 "$state/n$i.log" >&2
-            die "'ray start' of node $i failed (log: $state/n$i.log)"
-        fi
-    done
+    printf 'tag=%s\nnodes=%s\nhead=%s\nrate=%s\ncpus=%s\n' "$tag" "$n" "$(node_ip 0):$PORT" "$rate" "$cpus" \
+        >"$state/cluster.env"
     trap - ERR
-    printf 'tag=%s\nnodes=%s\nhead=%s\nrate=%s\n' "$tag" "$n" "$head" "$rate" >"$state/cluster.env"
+    for ((i = 0; i < n; i++)); do
+        start_node "$i" || { down "$tag" >&2; exit 1; }
+    done
+    local head=$(node_ip 0):$PORT
     cat <<EOF
 netns.sh: Ray cluster up: $n node(s) ($(for ((i = 0; i < n; i++)); do printf '%s ' "$(node_ns "$tag" "$i")=$(node_ip "$i")"; done)), $cpus CPUs each${rate:+, links shaped to $rate}
   tag $tag, state in $state, head $head (reachable only from the cluster's namespaces)
 Run a driver on the head:  $0 exec 0 env RAY_ADDRESS=$head python ...
 Stop:                      $0 down
 EOF
+}
+
+start_node() {  # index: `ray start` in the node's namespace, with a temp dir of its own (a replacement: a new one)
+    local i=$1 tag head cpus temp nodes rate
+    source "$state/cluster.env"
+    local osm=$((${RAYSFT_NETNS_OBJECT_STORE_MB:-256} * 1024 * 1024))
+    temp=$state/n$i
+    [[ ! -e $temp ]] || temp=$(mktemp -d "$state/n$i.XXX")
+    mkdir -p "$temp"
+    local args=(--node-ip-address "$(node_ip "$i")" --temp-dir "$temp" --num-cpus "$cpus" --num-gpus 0
+                --object-store-memory "$osm" --disable-usage-stats)
+    if ((i == 0)); then
+        args+=(--head --port "$PORT" --dashboard-host "$(node_ip 0)")
+    else
+        args+=(--address "$head")
+    fi
+    # Job entrypoints run `python` from the raylet's PATH: make it the interpreter that has raysft and ray.
+    # RAY_ADDRESS in the nodes' environment: Ray code in workers that looks the cluster up finds this one.
+    # GLOO_SOCKET_IFNAME: gloo binds to the address the hostname resolves to, here (as on many hosts)
+    # loopback, which no other node can reach: name the node's link, as a real cluster's setup must.
+    # The cluster's network exists only inside its namespaces: token auth stays off.
+    if ! ip netns exec "$(node_ns "$tag" "$i")" env PATH="$(dirname "$RAY"):$PATH" RAY_ADDRESS="$head" \
+        RAY_AUTH_MODE=disabled GLOO_SOCKET_IFNAME=eth0 "$RAY" start "${args[@]}" >"$temp.log" 2>&1; then
+        tail -n 30 "$temp.log" >&2
+        echo "netns.sh: 'ray start' of node $i failed (log: $temp.log)" >&2
+        return 1
+    fi
+}
+
+join() {  # a replacement for node I, whose processes have ended (killed, or gone after Ray declared it dead)
+    local i=${1:-}
+    [[ $i =~ ^[0-9]+$ && $i -ge 1 ]] || die "usage: $0 join I (a worker node: I >= 1)"
+    [[ -f $state/cluster.env ]] || die "no cluster recorded in $state"
+    [[ -z $(ip netns pids "$(node_ns "$(cat "$state/tag")" "$i")" 2>/dev/null) ]] ||
+        die "node $i still has processes: end them first"
+    start_node "$i" || exit 1
+    echo "netns.sh: node $i joined again"
 }
 
 alive() {  # those of the given PIDs that still run (a killed process waiting to be reaped does not)
@@ -167,7 +189,8 @@ status() {
 case ${1:-} in
     up) shift; up "$@" ;;
     down) shift; down "$@" ;;
+    join) shift; join "$@" ;;
     exec) shift; node_exec "$@" ;;
     status) status ;;
-    *) die "usage: $0 up N [--rate RATE] [--cpus C] | exec I CMD... | status | down [TAG]" ;;
+    *) die "usage: $0 up N [--rate RATE] [--cpus C] | exec I CMD... | join I | status | down [TAG]" ;;
 esac

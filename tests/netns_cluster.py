@@ -16,6 +16,17 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Polls the cluster's view of one node (argv: its IP, "alive" or "dead", seconds): exit 0 once Ray sees it so.
+NODE_STATE = """
+import sys, time, ray
+ray.init(logging_level="ERROR")
+ip, alive, deadline = sys.argv[1], sys.argv[2] == "alive", time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    if any(n["NodeManagerAddress"] == ip and n["Alive"] for n in ray.nodes()) == alive:
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit(1)
+"""
 REPO = Path(__file__).resolve().parent.parent
 NETNS_SH = REPO / "cluster" / "netns.sh"
 VENV_RAY = REPO / ".venv" / "bin" / "ray"
@@ -83,6 +94,19 @@ class NetnsCluster:
             except ProcessLookupError:
                 pass
         return pids
+
+    def join(self, node: int) -> None:
+        """A replacement Ray node in the namespace of one whose processes ended (netns.sh join)."""
+        out = subprocess.run([str(NETNS_SH), "join", str(node)], env=self.env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    def wait_node(self, node: int, alive: bool, timeout: float = 120) -> None:
+        """Until Ray's GCS sees the node alive (or dead); a driver's process in node 0 asks it."""
+        out = self.python(0, "-c", NODE_STATE, self.ip(node), "alive" if alive else "dead", str(timeout),
+                          timeout=timeout + 60)
+        assert out.returncode == 0, f"Ray did not see node {node} {'alive' if alive else 'dead'} " \
+                                    f"within {timeout} s: {out.stderr[-2000:]}"
 
     def set_link(self, node: int, up: bool) -> None:
         subprocess.run(["ip", "-n", self.namespace(node), "link", "set", "eth0", "up" if up else "down"], check=True)
