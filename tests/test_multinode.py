@@ -1,7 +1,29 @@
 """Many nodes on one host: a Ray cluster of 2 network namespaces, an IP each (conftest.netns_cluster,
 cluster/netns.sh), so that Ray numbers them node 0 and node 1 as on a real cluster."""
 
+import json
+import os
+from pathlib import Path
+
 import pytest
+import ray
+import ray.train
+import test_strategies
+import torch
+import torch.distributed as dist
+from conftest import run_workers, tiny_config
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import raysft
+from raysft.checkpoint import DirectorySink
+from raysft.config import ConfigError, TrainConfig
+from raysft.data import prepare_store
+from raysft.launch import ray_worker_context
+from raysft.metrics import read_metrics
+from raysft.tokenizer import load_tokenizer
+from raysft.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
 
@@ -40,4 +62,77 @@ def test_nodes_reach_each_other_over_their_private_network_and_nothing_else(netn
         assert [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()] == ["lo", "eth0"]
         assert c.run(node, "ip", "route").stdout.split() == \
             ["10.213.0.0/24", "dev", "eth0", "proto", "kernel", "scope", "link", "src", c.ip(node)]
+
+
+HSDP_SETS = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.max_steps": test_strategies.STEPS,
+             "train.global_batch_size": 16, "train.micro_batch_size": 2}
+
+
+def _train_and_record(loop: dict) -> None:
+    """A Ray train worker: train, then record where it ran and its place in the mesh; rank 0 saves the weights."""
+    ctx = ray_worker_context()
+    cfg = TrainConfig.from_dict(loop["config"])
+    trainer = Trainer(cfg, Path(loop["store"]), None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+    trainer.train()
+    out = Path(loop["out"])
+    weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, out / "weights.safetensors")
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps({
+        "ip": ray.util.get_node_ip_address(), "node_rank": ctx.node_rank,
+        "local_rank": ray.train.get_context().get_local_rank(),
+        "mesh": [list(trainer.mesh.shape), list(trainer.mesh.mesh_dim_names)],
+        "coordinate": trainer.mesh.get_coordinate(),
+        "placements": sorted({repr(p.placements) for p in trainer.model.parameters() if isinstance(p, DTensor)})}))
+    dist.barrier()
+
+
+def drive_hybrid_shard(out: str) -> None:
+    """The driver, inside node 0's namespace: raysft's driver refuses a shard group that straddles the nodes, then
+    4 workers train HYBRID_SHARD with the mesh taken from Ray's node ranks (hsdp_shard_size 0)."""
+    out_dir = Path(out)
+    loop = json.loads((out_dir / "loop.json").read_text())
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}})  # the workers import this module
+    try:
+        raysft.train(TrainConfig.from_dict(loop["straddling"]))
+    except ConfigError as e:
+        (out_dir / "refused.txt").write_text(str(e))
+    run_workers(_train_and_record, loop, out_dir, num_workers=4)
+
+
+def test_hybrid_shard_on_two_nodes_replicates_across_and_shards_within_them(netns_cluster, tmp_path):
+    cfg = tiny_config(tmp_path, **HSDP_SETS)
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    # 6 workers of half a CPU: Ray packs 4 on one node, 2 on the other; groups of 3 would span the link
+    straddling = tiny_config(tmp_path, **{**HSDP_SETS, "scaling.num_workers": 6, "scaling.cpus_per_worker": 0.5,
+                                          "parallel.hsdp_shard_size": 3, "train.global_batch_size": 12,
+                                          "run.name": "straddling"})
+    (tmp_path / "loop.json").write_text(json.dumps({"config": cfg.to_dict(), "store": str(store), "out": str(tmp_path),
+                                                    "straddling": straddling.to_dict()}))
+    drive = "import sys, test_multinode; test_multinode.drive_hybrid_shard(sys.argv[1])"
+    driver = netns_cluster.python(0, "-c", drive, str(tmp_path))
+    assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+
+    refused = (tmp_path / "refused.txt").read_text()
+    assert "'parallel.hsdp_shard_size'" in refused and "straddle nodes that hold 4, 4 workers" in refused, refused
+    assert not list((tmp_path / "runs").glob("straddling/checkpoint_*"))  # refused before any worker started
+
+    info = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    # two nodes by address, each node's workers on consecutive ranks, numbered by Ray from its topology
+    assert [i["ip"] for i in info] in ([netns_cluster.ip(0)] * 2 + [netns_cluster.ip(1)] * 2,
+                                       [netns_cluster.ip(1)] * 2 + [netns_cluster.ip(0)] * 2), info
+    assert [i["node_rank"] for i in info] == [0, 0, 1, 1]
+    assert [i["local_rank"] for i in info] == [0, 1, 0, 1]
+    # replicate dim across the nodes (coordinate 0 = node rank), shard dim within one (coordinate 1 = local rank)
+    assert all(i["mesh"] == [[2, 2], ["replicate", "shard"]] for i in info)
+    assert [i["coordinate"] for i in info] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert all(i["placements"] == [repr((Replicate(), Shard(0)))] for i in info), info[0]["placements"]
+
+    ref_losses, ref_weights = test_strategies.reference(cfg, store)  # one process, no FSDP
+    losses = [m["loss"] for m in read_metrics(cfg.run_dir) if "loss" in m]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    weights = load_file(tmp_path / "weights.safetensors")
+    assert weights.keys() == ref_weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
