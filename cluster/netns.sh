@@ -129,7 +129,8 @@ join() {  # a replacement for node I, whose processes have ended (killed, or gon
     local i=${1:-}
     [[ $i =~ ^[0-9]+$ && $i -ge 1 ]] || die "usage: $0 join I (a worker node: I >= 1)"
     [[ -f $state/cluster.env ]] || die "no cluster recorded in $state"
-    [[ -z $(ip netns pids "$(node_ns "$(cat "$state/tag")" "$i")" 2>/dev/null) ]] ||
+    # shellcheck disable=SC2046
+    [[ -z $(alive $(ip netns pids "$(node_ns "$(cat "$state/tag")" "$i")" 2>/dev/null)) ]] ||
         die "node $i still has processes: end them first"
     start_node "$i" || exit 1
     echo "netns.sh: node $i joined again"

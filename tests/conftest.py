@@ -9,7 +9,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import netns_cluster as netns
 import pytest
+from netns_cluster import running  # noqa: F401 - for the tests: `from conftest import running`
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s), and a worker's
@@ -59,8 +61,6 @@ def netns_cluster():
     """One Ray cluster of 2 real nodes (a network namespace and an IP each, 2 logical CPUs each) for every test that
     needs nodes Ray tells apart (tests/netns_cluster.py); skipped, with the reason, where namespaces cannot be made
     (not root, no CAP_NET_ADMIN). Tests that break a node bring it back before they end."""
-    import netns_cluster as netns
-
     reason = netns.unavailable()
     if reason:
         pytest.skip(f"no network-namespace cluster: {reason}")
@@ -149,14 +149,6 @@ def cli_in_process(*args: str) -> subprocess.CompletedProcess:
         code = main(list(args))
     assert ray.is_initialized() == connected, "cli_in_process is for commands that start no Ray"
     return subprocess.CompletedProcess(["raysft", *args], code, out.getvalue(), err.getvalue())
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie waiting for its parent (init) to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def http_status(url: str, token: str | None = None) -> int:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,14 @@ sys.exit(1)
 REPO = Path(__file__).resolve().parent.parent
 NETNS_SH = REPO / "cluster" / "netns.sh"
 VENV_RAY = REPO / ".venv" / "bin" / "ray"
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent (init) to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def unavailable() -> str | None:
@@ -85,14 +94,18 @@ class NetnsCluster:
         out = subprocess.run(["ip", "netns", "pids", self.namespace(node)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
-    def kill_node(self, node: int) -> list[int]:
-        """SIGKILL every process in the node's namespace (its raylet, workers and any driver there), by PID."""
+    def kill_node(self, node: int, timeout: float = 60) -> list[int]:
+        """SIGKILL every process in the node's namespace (its raylet, workers and any driver there), by PID, and
+        wait until they are gone (a zombie waiting for init counts as gone)."""
         pids = self.pids(node)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        deadline = time.monotonic() + timeout
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
         return pids
 
     def join(self, node: int) -> None:

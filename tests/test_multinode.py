@@ -3,6 +3,8 @@ cluster/netns.sh), so that Ray numbers them node 0 and node 1 as on a real clust
 
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,17 @@ import ray.train
 import test_strategies
 import torch
 import torch.distributed as dist
-from conftest import run_workers, tiny_config
+import yaml
+from conftest import run_workers, running, tiny_config
 from safetensors.torch import load_file, save_file
+from test_faults_cluster import (
+    config,
+    final_losses,
+    last_step,
+    recovery,
+    reference,  # noqa: F401 - the fixture: uninterrupted runs on gloo processes
+    wait_for,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -64,6 +75,7 @@ def test_nodes_reach_each_other_over_their_private_network_and_nothing_else(netn
             ["10.213.0.0/24", "dev", "eth0", "proto", "kernel", "scope", "link", "src", c.ip(node)]
 
 
+FAULT_STEPS, EVERY = 12, 3  # the fault run: a full checkpoint every 3 steps
 HSDP_SETS = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.max_steps": test_strategies.STEPS,
              "train.global_batch_size": 16, "train.micro_batch_size": 2}
 
@@ -136,3 +148,58 @@ def test_hybrid_shard_on_two_nodes_replicates_across_and_shards_within_them(netn
     for key, value in weights.items():
         torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
+
+def test_a_node_killed_and_a_link_cut_resume_from_the_last_checkpoint_on_a_replacement(
+        netns_cluster, tmp_path, reference):  # noqa: F811 - the fixture imported above
+    """Two faults in one HYBRID_SHARD run over both nodes: every process of node 1 killed; later node 1's link cut
+    mid-step, until Ray declares the node dead, then restored (its raylet, told it is dead, ends itself). After
+    each, a replacement node joins and the run resumes from the last checkpoint, bit for bit the uninterrupted
+    run."""
+    c = netns_cluster
+    hsdp = {"parallel.sharding": "HYBRID_SHARD", "train.micro_batch_size": 2, "scaling.num_workers": 4,
+            "train.max_steps": FAULT_STEPS, "checkpoint.every_n_steps": EVERY}
+    ref = reference(4, **hsdp, **{"parallel.hsdp_shard_size": 2})  # gloo processes on one host: explicit groups
+    cfg = config(tmp_path, "netns", **hsdp)  # here the groups come from Ray's node ranks
+    config_file = tmp_path / "netns.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
+    log = (tmp_path / "driver.log").open("w")
+    driver = c.popen(0, sys.executable, "-m", "raysft", "train", str(config_file), stdout=log, stderr=log)
+    try:
+        wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 1, 300, f"step {EVERY + 1}")
+        killed = c.kill_node(1)
+        assert killed
+        kill_time = time.time()
+        c.wait_node(1, alive=False)
+        c.join(1)
+
+        wait_for(lambda: sum(m.get("event") == "resume" for m in read_metrics(cfg.run_dir)) == 1 and
+                 last_step(cfg.run_dir) >= 2 * EVERY + 1, 300, f"step {2 * EVERY + 1} after the first resume")
+        raylets = [p for p in c.pids(1) if Path(f"/proc/{p}/comm").read_text().strip() == "raylet"]
+        c.set_link(1, up=False)
+        cut_time = time.time()
+        c.wait_node(1, alive=False)
+        c.set_link(1, up=True)
+        # back on the network, the raylet learns from the GCS that its node was declared dead, and ends itself
+        wait_for(lambda: not any(running(p) for p in raylets), 120, "node 1's raylet to end once back")
+        c.kill_node(1)  # what it leaves behind (its log monitor), by PID
+        c.join(1)
+        assert driver.wait(timeout=600) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        log.close()
+    assert len(raylets) == 1  # the replacement's, when the link went down
+    killed_row = recovery(cfg.run_dir, kill_time, "node's processes killed (network namespaces)",
+                          "SIGKILL to every process in node 1's namespace; a replacement node joins", EVERY)
+    cut_row = recovery(cfg.run_dir, cut_time, "node's link cut mid-step (network namespaces)",
+                       "`ip link set eth0 down` on node 1 until Ray declares it dead, then up; a replacement joins",
+                       EVERY)
+    for row in (killed_row, cut_row):
+        assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2, row
+    assert [m["world_size"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [4, 4]
+    ref_losses, ref_weights = ref
+    assert final_losses(cfg.run_dir) == ref_losses
+    weights = load_file(cfg.run_dir / f"checkpoint_{FAULT_STEPS:08d}" / "model.safetensors")
+    assert weights.keys() == ref_weights.keys()
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
