@@ -22,6 +22,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
+from raysft.config.checks import check_hsdp_shard_size_fits_nodes
 from raysft.lease import RunLease
 from raysft.local_ray import check_reachable, connect
 from raysft.prelaunch import Stores, prepare_launch
@@ -60,6 +61,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 def _fit(config: TrainConfig, stores: Stores) -> Result:
     connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
+    check_hsdp_shard_size_fits_nodes(config.parallel, config.scaling.num_workers, workers_per_node(config.scaling))
     s = config.scaling
     root = location(config.run.storage_path)
     remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
@@ -149,14 +151,23 @@ def worker_resources(scaling: RaysftScaling) -> dict[str, float]:
     return {"CPU": scaling.cpus_per_worker, **({"GPU": 1.0} if scaling.use_gpu else {})}
 
 
-def check_cluster_can_place(scaling: RaysftScaling) -> None:
-    """Fail now, not after Ray's start timeouts, when the live nodes cannot hold the workers even when idle."""
+def workers_per_node(scaling: RaysftScaling) -> list[int]:
+    """How many workers each live node holds when idle, one entry per node IP (Ray Train's notion of a node:
+    logical nodes sharing an IP are one)."""
     need = worker_resources(scaling)
-    fits = 0
+    per_ip: dict[str, int] = {}
     for node in ray.nodes():
         if node.get("Alive"):
             res = node.get("Resources", {})
-            fits += int(min(res.get(k, 0.0) / v for k, v in need.items()))
+            ip = node.get("NodeManagerAddress", "")
+            per_ip[ip] = per_ip.get(ip, 0) + int(min(res.get(k, 0.0) / v for k, v in need.items()))
+    return list(per_ip.values())
+
+
+def check_cluster_can_place(scaling: RaysftScaling) -> None:
+    """Fail now, not after Ray's start timeouts, when the live nodes cannot hold the workers even when idle."""
+    need = worker_resources(scaling)
+    fits = sum(workers_per_node(scaling))
     if fits < (scaling.min_workers or scaling.num_workers):
         raise CannotPlaceWorkers(
             f"the Ray cluster fits {fits} workers of {need}, but scaling.num_workers={scaling.num_workers}"

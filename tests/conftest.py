@@ -9,7 +9,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import netns_cluster as netns
 import pytest
+from netns_cluster import running  # noqa: F401 - for the tests: `from conftest import running`
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s), and a worker's
@@ -32,7 +34,7 @@ def pytest_collection_modifyitems(items):
     """A test that takes a Ray cluster fixture is slow: `make test-fast` (-m "not slow") leaves it out. Modules
     that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves."""
     for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
+        if {"ray_cluster", "netns_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -69,6 +71,27 @@ def ray_cluster(ray_head):
     """The suite's Ray, connected for one test module."""
     with ray_connection(ray_head.address):
         yield
+
+
+# The namespace cluster's GCS declares a node dead after 5 missed health checks, 1 s apart (Ray's defaults: 3 s
+# apart, 10 s timeout each): the multi-node fault tests wait for that. Only speed depends on it.
+NETNS_RAY_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+                 "RAY_health_check_failure_threshold": "5"}
+
+
+@pytest.fixture(scope="session")
+def netns_cluster():
+    """One Ray cluster of 2 real nodes (a network namespace and an IP each, 2 logical CPUs each) for every test that
+    needs nodes Ray tells apart (tests/netns_cluster.py); skipped, with the reason, where namespaces cannot be made
+    (not root, no CAP_NET_ADMIN). Tests that break a node bring it back before they end."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(f"no network-namespace cluster: {reason}")
+    cluster = netns.start(2, cpus=2, ray_env=NETNS_RAY_ENV)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
 
 
 def start_cluster(head_temp_dir, **head_args):
@@ -149,14 +172,6 @@ def cli_in_process(*args: str) -> subprocess.CompletedProcess:
         code = main(list(args))
     assert ray.is_initialized() == connected, "cli_in_process is for commands that start no Ray"
     return subprocess.CompletedProcess(["raysft", *args], code, out.getvalue(), err.getvalue())
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie waiting for its parent (init) to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def http_status(url: str, token: str | None = None) -> int:

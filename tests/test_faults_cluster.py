@@ -104,7 +104,7 @@ def reference(tmp_path_factory, request):
             for num_workers, stop in legs:
                 cfg = config(tmp, "reference", **{"scaling.num_workers": num_workers, **sets, **stop})
                 request.getfixturevalue("gloo_pool4" if num_workers == 4 else "gloo_pool").run(launch, cfg)
-            runs[key] = (final_losses(cfg.run_dir), load_file(cfg.run_dir / f"checkpoint_{STEPS:08d}" /
+            runs[key] = (final_losses(cfg.run_dir), load_file(cfg.run_dir / f"checkpoint_{cfg.train.max_steps:08d}" /
                                                               "model.safetensors"))
         return runs[key]
 
@@ -182,39 +182,20 @@ class Background:
         return self.result
 
 
-def recovery(run_dir: Path, fault_time: float, fault: str, how: str) -> dict:
+def recovery(run_dir: Path, fault_time: float, fault: str, how: str, every: int = EVERY) -> dict:
     """Steps lost (trained before the fault, after the checkpoint it resumed from) and seconds until training
-    went on; appended to $RAYSFT_FAULT_REPORT if set."""
+    went on, for the first resume after the fault; appended to $RAYSFT_FAULT_REPORT if set."""
     records = read_metrics(run_dir)
-    resume = next(i for i, m in enumerate(records) if m.get("event") == "resume")
+    resume = next(i for i, m in enumerate(records) if m.get("event") == "resume" and m["time"] >= fault_time)
     before = max(m["step"] for m in records[:resume] if "loss" in m)
     first_after = next(m for m in records[resume:] if "loss" in m)
     row = {"fault": fault, "how": how, "resumed_from": records[resume]["step"], "last_step_before": before,
-           "steps_lost": before - records[resume]["step"], "checkpoint_every": EVERY,
+           "steps_lost": before - records[resume]["step"], "checkpoint_every": every,
            "seconds_to_next_step": round(first_after["time"] - fault_time, 1)}
     if os.environ.get("RAYSFT_FAULT_REPORT"):
         with open(os.environ["RAYSFT_FAULT_REPORT"], "a") as f:
             f.write(json.dumps(row) + "\n")
     return row
-
-
-def test_a_lost_node_resumes_on_a_replacement_with_the_hsdp_mesh_rebuilt(tmp_path, nodes, reference, cluster):
-    hsdp = {"parallel.sharding": "HYBRID_SHARD", "parallel.hsdp_shard_size": 2, "train.micro_batch_size": 2}
-    ref = reference(4, **hsdp)
-    a, _ = nodes(), nodes()
-    cfg = config(tmp_path, "node", **{"scaling.num_workers": 4, **hsdp})
-    run = Background(cfg)
-    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
-    cluster.remove_node(a, allow_graceful=False)  # its two workers die with it, mid-step
-    fault_time = time.time()
-    time.sleep(2)  # the run cannot go on with two workers of four
-    nodes()  # capacity comes back
-    result = run.join()
-    row = recovery(cfg.run_dir, fault_time, "node lost", "ray.cluster_utils.Cluster.remove_node(allow_graceful=False)")
-    assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
-    resume = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume")
-    assert resume["world_size"] == 4
-    assert_same_run(cfg, result, ref)
 
 
 def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference, cluster):

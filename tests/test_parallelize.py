@@ -3,6 +3,7 @@
 import pytest
 
 from raysft.config import ConfigError, ParallelConfig, load_config
+from raysft.config.checks import check_hsdp_shard_size_fits_nodes
 from raysft.parallelize import MeshShape, mesh_shape
 
 
@@ -43,6 +44,24 @@ def test_hybrid_shard_config_errors_on_the_driver(overrides, key, message):
     with pytest.raises(ConfigError, match=message) as e:
         load_config(None, [f"{k}={v}" for k, v in sets.items()])
     assert f"'{key}'" in str(e.value)
+
+
+@pytest.mark.parametrize("shard, workers, per_node, message", [
+    (3, 6, [4, 4], "would straddle nodes that hold 4, 4 workers each"),  # Ray packs 4 + 2: group 2 spans both
+    (4, 8, [2, 2, 2, 2], "larger than any node"),
+    (2, 4, [2, 2], None),           # one group per node
+    (2, 8, [4, 4], None),           # two groups per node
+    (3, 6, [12], None),             # one IP: logical nodes, the explicit size is the point
+    (3, 3 * 2, [8, 8], None),       # all on one node: nothing crosses the network
+])
+def test_an_explicit_shard_group_must_fit_inside_the_nodes_of_the_cluster(shard, workers, per_node, message):
+    p = ParallelConfig(sharding="HYBRID_SHARD", hsdp_shard_size=shard)
+    if message is None:
+        check_hsdp_shard_size_fits_nodes(p, workers, per_node)
+    else:
+        with pytest.raises(ConfigError, match=message) as e:
+            check_hsdp_shard_size_fits_nodes(p, workers, per_node)
+        assert "'parallel.hsdp_shard_size'" in str(e.value)
 
 
 def test_shard_size_for_another_strategy_is_an_error():

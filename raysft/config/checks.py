@@ -246,3 +246,21 @@ def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int] | No
              f"shard-group size {shard} of {num_workers} workers leaves "
              f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
     return num_workers // shard, shard
+
+
+def check_hsdp_shard_size_fits_nodes(p: ParallelConfig, num_workers: int, workers_per_node: list[int]) -> None:
+    """An explicit HYBRID_SHARD shard group must lie inside one node, or its all-gathers and reduce-scatters, the
+    traffic HSDP keeps off the network, cross it: checked on the driver against the cluster's nodes (one entry per
+    node IP: how many workers it holds when idle; logical nodes sharing an IP count as one). Ray packs the workers
+    onto as few nodes as it can, filling each, so a node whose capacity is not a multiple of the group size would
+    split a group with the next node."""
+    shard, nodes = p.hsdp_shard_size, [n for n in workers_per_node if n > 0]
+    if p.sharding != "HYBRID_SHARD" or not shard or len(nodes) < 2 or num_workers <= max(nodes):
+        return
+    layout = ", ".join(f"{n}" for n in nodes)
+    _require(shard <= max(nodes), "parallel.hsdp_shard_size",
+             f"a shard group of {shard} workers is larger than any node of this cluster (workers per node: {layout}),"
+             f" so it would shard across the network; use the workers per node or a divisor of it")
+    _require(all(n % shard == 0 for n in nodes), "parallel.hsdp_shard_size",
+             f"shard groups of {shard} workers would straddle nodes that hold {layout} workers each; use a divisor "
+             f"of every node's workers (or 0: the workers per node, from Ray)")
