@@ -45,7 +45,8 @@ class ModelConfig:
     path: str = ""
     """Local Hugging Face directory (config.json + safetensors) to fine-tune. Empty: train from scratch. Its files
     are checked on the driver (raysft.model_files); one whose config asks for code of its own (auto_map) is refused:
-    no code from a model directory runs."""
+    no code from a model directory runs. Every worker reads its own slices of the weights from these files, so the
+    directory must be readable at this path on every node (a shared mount)."""
     config: str = "demo-tiny"
     """From-scratch architecture: a preset name (see raysft.model.PRESETS) or a config.json / directory."""
     tokenizer: str = "builtin:demo"

@@ -1,8 +1,10 @@
-"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, in full on rank 0 only.
+"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, then each rank's shards.
 
 Every rank builds the model with parameters on the meta device (no memory), shards it and then materializes only
-its own shards. Rank 0 alone builds a real copy (pretrained weights or a seeded initialization) whose full state
-dict is broadcast shard by shard. That keeps one full copy in the job, where the alternative is one per rank.
+its own shards. Pretrained weights are read by every rank from the safetensors files, each its own slices
+(raysft.hf_weights): no rank holds the whole model. A model whose parameter names are not the files' (tied
+weights, a conversion mapping) and a from-scratch initialization take the other way: rank 0 builds a real copy
+whose full state dict is broadcast shard by shard.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 import raysft.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
+from raysft.collectives import all_ranks
 from raysft.config import ConfigError, ModelConfig
-from raysft.lora import add_adapters
-from raysft.model_files import ModelDirError, check_config_file, check_model_dir
+from raysft.hf_weights import copy_local_slice, read_local_slices, tensor_files
+from raysft.lora import add_adapters, clean_name, is_adapter
+from raysft.model_files import ModelDirError, check_config_file, check_model_dir, weight_files
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -133,9 +137,73 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
     return classes
 
 
-def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
-    """Collective: rank 0 builds the full model on CPU and broadcasts it; every rank keeps only its shards."""
+def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> str | None:
+    """Collective: fill this rank's shards with the initial weights. Pretrained ones are read per rank from the
+    safetensors files; otherwise (and for pretrained weights that cannot be read that way) rank 0 builds the full
+    model on CPU and broadcasts it. Returns why pretrained weights took rank 0's way (None when they did not)."""
+    problem = None
+    if cfg.path:
+        problem = slice_read_problem(model, Path(cfg.path).expanduser())
+        if all_ranks(problem is None):
+            read_pretrained_slices(model, cfg, config, seed)
+            return None
+        problem = problem or "another worker cannot read model.path's files"
     # LoRA: the adapters' initial values come along, seeded
     full_sd = add_adapters(build_full_model(cfg, config, seed), cfg.lora, seed).state_dict() \
         if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return problem
+
+
+def file_name(name: str) -> str:
+    """The name a parameter of the (sharded, LoRA-adapted) model has in a Hugging Face model directory."""
+    return clean_name(name).replace(".base_layer.", ".")
+
+
+def _base_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's pretrained tensors (all but LoRA's adapters) by their names in the files, persistent buffers
+    included: what from_pretrained fills."""
+    return {file_name(n): t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}
+
+
+def slice_read_problem(model: nn.Module, path: Path) -> str | None:
+    """Why the model's pretrained weights cannot be read from `path`'s files name by name (None if they can)."""
+    if tied_parameter_aliases(model):
+        return ("tied weights: " + ", ".join(f"{a} is {c}" for a, c in tied_parameter_aliases(model).items()) +
+                " (the files may hold either name)")
+    if getattr(model, "_checkpoint_conversion_mapping", None):
+        return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
+    try:
+        files = tensor_files(weight_files(path))
+    except (OSError, ModelDirError) as e:
+        return f"cannot read the safetensors files of {path}: {e}"
+    if not files:
+        return f"{path} has no safetensors files"
+    missing = sorted(set(_base_tensors(model)) - set(files))
+    if missing:
+        return (f"{len(missing)} of the model's tensors are not in the files under their names (e.g. {missing[0]!r}): "
+                "the checkpoint uses other names")
+    return None
+
+
+def read_pretrained_slices(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
+    """Every rank: its slices of the pretrained weights from the files; LoRA's adapters from their seed."""
+    path = Path(cfg.path).expanduser()
+    read_local_slices(_base_tensors(model), tensor_files(weight_files(path)))
+    if cfg.lora.r:
+        for name, value in seeded_adapters(cfg, config, seed).items():
+            copy_local_slice(model.get_parameter(name), value)
+
+
+def seeded_adapters(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    """LoRA's initial adapters, as add_adapters(seed) makes them on a real model, without the base weights. peft
+    creates and initializes the adapters on the CPU (the same draws, in the same order) and moves them to the base
+    layer's device: each base parameter here is a CPU stand-in of its shape that takes no memory (one zero,
+    expanded), so the adapters stay real."""
+    model = build_meta_model(config, cfg.attn_implementation)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            stand_in = torch.zeros((), dtype=param.dtype).expand(param.shape)
+            module._parameters[name] = nn.Parameter(stand_in, requires_grad=False)
+    adapted = add_adapters(model, cfg.lora, seed)
+    return {n: p.detach() for n, p in adapted.named_parameters() if is_adapter(n)}
