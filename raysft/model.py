@@ -148,11 +148,16 @@ def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedC
             read_pretrained_slices(model, cfg, config, seed)
             return None
         problem = problem or "another worker cannot read model.path's files"
-    # LoRA: the adapters' initial values come along, seeded
+    broadcast_from_rank0(model, cfg, config, seed)
+    return problem
+
+
+def broadcast_from_rank0(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
+    """Collective: rank 0 builds the full model on CPU (LoRA's adapters seeded with it) and broadcasts it; every
+    rank keeps only its shards."""
     full_sd = add_adapters(build_full_model(cfg, config, seed), cfg.lora, seed).state_dict() \
         if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    return problem
 
 
 def file_name(name: str) -> str:
