@@ -110,3 +110,64 @@ def test_tied_weights_take_rank_0s_way_and_say_why(tmp_path, gloo_pool):
     for result in results:
         assert "tied weights: lm_head.weight is model.embed_tokens.weight" in result["fallback"]
     _check_bit_identical(results, _reference(path))
+
+
+def _save_and_resume(ctx, path: str, out: Path) -> bool:
+    """A full checkpoint of the loaded weights and AdamW state (moments from a seeded gradient, lr 0 so the weights
+    stay from_pretrained's), saved and then loaded back over zeroed shards, with the whole-state ways refused: a
+    gather of the full state dict on save, a read of a whole file on resume. Whether every local shard came back
+    bit for bit."""
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
+
+    from raysft.checkpoint import TrainingObjects, full
+
+    config = AutoConfig.from_pretrained(path)
+    model = build_meta_model(config, "sdpa")
+    parallel = ParallelConfig()
+    parallelize(model, build_mesh(mesh_shape(parallel, [0] * ctx.world_size), "cpu"), parallel)
+    materialize(model, torch.device("cpu"))
+    load_initial_weights(model, ModelConfig(path=path), config, SEED)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    torch.manual_seed(ctx.rank)
+    for p in model.parameters():
+        p.grad = DTensor.from_local(torch.randn_like(p.to_local()), p.device_mesh, p.placements, shape=p.shape,
+                                    stride=p.stride())
+    optimizer.step()
+    objs = TrainingObjects(model, optimizer, None, None, config, None, {}, None)
+    local = [*(p.to_local() for p in model.parameters()),
+             *(t.to_local() if isinstance(t, DTensor) else t for s in optimizer.state.values() for t in s.values())]
+    saved = [t.clone() for t in local]
+
+    def no_whole_state(get):
+        def refuse(*args, options=None, **kwargs):
+            assert not (options and options.full_state_dict), "the whole state gathered at once"
+            return get(*args, options=options, **kwargs)
+        return refuse
+
+    with mock.patch.object(full, "get_model_state_dict", no_whole_state(full.get_model_state_dict)), \
+            mock.patch.object(full, "get_optimizer_state_dict", no_whole_state(full.get_optimizer_state_dict)):
+        full.save(out, objs, asynchronous=False).result()
+    with torch.no_grad():
+        for t in local:
+            t.zero_()
+    torch.distributed.barrier()
+    with mock.patch.object(full, "read_safetensors", side_effect=AssertionError("a whole file read")):
+        full.load(out, objs)
+    return all(torch.equal(a, b) for a, b in zip(local, saved, strict=True))
+
+
+def test_full_checkpoint_streams_its_save_and_resumes_from_each_ranks_slices(pretrained, gloo_pool, tmp_path):
+    """A full save gathers one tensor at a time, never the whole state dict, and a resume reads each rank's slices
+    (no rank reads a whole file); the shards come back bit for bit, and the files are still plain safetensors
+    holding from_pretrained's values and AdamW's state by parameter name."""
+    from safetensors.torch import load_file
+
+    assert gloo_pool.run(_save_and_resume, str(pretrained), tmp_path) == [True, True]
+    reference = _reference(pretrained)
+    written = load_file(tmp_path / "model.safetensors")
+    assert written.keys() == reference.keys() and all(torch.equal(written[k], reference[k]) for k in reference)
+    moments = load_file(tmp_path / "optimizer.safetensors")
+    assert {k.rsplit("/", 1)[0] for k in moments} == set(reference)
+    assert {k.rsplit("/", 1)[1] for k in moments} == {"exp_avg", "exp_avg_sq", "step"}

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
@@ -96,17 +96,36 @@ class _Gathering(dict):
 
     gathered = 0
 
-    def whole(self, t: torch.Tensor) -> torch.Tensor:
+    def whole(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The whole tensor on rank 0 (None on the others)."""
         self.gathered += 1
         if not isinstance(t, DTensor):
             return t.detach().cpu()
         if t.to_local().device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the device
             t = t.to(t.device_mesh.device_type)
-        return t.full_tensor().cpu()
+        if t.placements != (Shard(0),) or t.device_mesh.device_type != "cpu":
+            return t.full_tensor().cpu()  # every rank gets it whole (HSDP, NO_SHARD; NCCL has no gather)
+        return _gather_to_rank0(t)
 
     def finish(self) -> None:
         for t in list(self.values())[self.gathered:]:
             self.whole(t)
+
+
+def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
+    """FSDP2's layout (dim 0 split in equal padded pieces, the last ones short or empty) gathered straight into one
+    padded tensor on rank 0: no other rank allocates anything, rank 0 the tensor once."""
+    world = dist.get_world_size(t.device_mesh.get_group())
+    piece = -(-t.shape[0] // world)  # FSDP2 pads dim 0 to a multiple of the world size
+    local = t.to_local()
+    padded = local
+    if local.shape[0] != piece or not local.is_contiguous():
+        padded = local.new_zeros((piece, *t.shape[1:]))
+        padded[:local.shape[0]] = local
+    whole = local.new_empty((piece * world, *t.shape[1:])) if dist.get_rank() == 0 else None
+    dist.gather(padded, list(whole.chunk(world)) if whole is not None else None, dst=0,
+                group=t.device_mesh.get_group())
+    return whole[:t.shape[0]] if whole is not None else None
 
 
 def _save_streamed(out_dir: Path, objs: TrainingObjects) -> Future:
