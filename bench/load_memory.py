@@ -8,8 +8,11 @@ in fresh processes (FULL_SHARD over both), so every VmHWM is the leg's own:
 - `load slices`: every rank reads its own slices, a safe_open + get_slice loop (raysft.hf_weights, what training uses);
 - `load dcp`: the same slices through torch's HuggingFaceStorageReader and dcp.load, to compare the two readers;
 - `init`: a from-scratch initialization as load_initial_weights does it;
-- `save full`: one full checkpoint of weights and AdamW state (raysft.checkpoint.full.save);
-- `resume full`: that checkpoint loaded back (raysft.checkpoint.full.load).
+- `save whole`: one full checkpoint of weights and AdamW state, the whole state gathered onto rank 0 first (what
+  raysft.checkpoint.full.save does with checkpoint.async, and did for every full save before issue 27);
+- `save streamed`: the same checkpoint, one tensor gathered and written at a time (a synchronous full save);
+- `resume rank0`: that checkpoint loaded by rank 0 and broadcast (what remote storage still takes);
+- `resume slices`: every rank reading its own slices of the files (raysft.checkpoint.full.load on shared storage).
 
 Per rank: the leg's time, VmHWM (peak resident memory of the process, reset at the leg's start), the peak of
 anonymous resident memory (sampled), and what the rank held before the leg (its shards: the training floor).
@@ -30,7 +33,8 @@ from pathlib import Path
 
 from common import MiB, PeakSampler, save_results
 
-LEGS = ["load rank0", "load slices", "load dcp", "init", "save full", "resume full"]
+LEGS = ["load rank0", "load slices", "load dcp", "init", "save whole", "save streamed", "resume rank0",
+        "resume slices"]
 
 
 def _status_kib(field: str) -> int:
@@ -88,8 +92,8 @@ def _leg(rank: int, world: int, work: str, leg: str, results) -> None:
 
     model_dir, ckpt = Path(work) / "model", Path(work) / "checkpoint"
     model, cfg, config = _build(str(model_dir), pretrained=leg != "init")
-    objs = _training_objects(model, config) if leg.endswith("full") else None
-    if leg == "resume full":
+    objs = _training_objects(model, config) if leg.startswith(("save", "resume")) else None
+    if leg.startswith("resume"):
         for state in objs.optimizer.state.values():  # what the checkpoint must bring back
             for t in state.values():
                 t.zero_()
@@ -106,11 +110,14 @@ def _leg(rank: int, world: int, work: str, leg: str, results) -> None:
             dcp_load(model.state_dict(), storage_reader=HuggingFaceStorageReader(str(model_dir)))
         elif leg == "init":
             load_initial_weights(model, cfg, config, seed=0)
-        elif leg == "save full":
-            ckpt.mkdir(exist_ok=True)
-            full.save(ckpt, objs, asynchronous=False).result()
-        elif leg == "resume full":
-            full.load(ckpt, objs)
+        elif leg.startswith("save"):
+            (ckpt / leg).mkdir(parents=True, exist_ok=True)
+            full.save(ckpt / leg, objs, asynchronous=leg == "save whole").result()
+        elif leg == "resume rank0":
+            full.all_ranks = lambda flag: False  # the way for files that not every rank sees
+            full.load(ckpt / "save streamed", objs)
+        elif leg == "resume slices":
+            full.load(ckpt / "save streamed", objs)
         dist.barrier()
     seconds = time.perf_counter() - start
     results.put({"leg": leg, "rank": rank, "seconds": round(seconds, 2), "held_mib": held // MiB,

@@ -179,10 +179,11 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     mode: Literal["auto", "full", "sharded"] = "auto"
-    """"full": rank 0 gathers the whole state to CPU and writes HF safetensors. "sharded": every worker writes
-    its own shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter)
-    fits 4 times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and
-    sharding strategy."""
+    """"full": HF safetensors, gathered one tensor at a time onto rank 0, which writes them (with async, the whole
+    state first); a resume from shared storage reads each rank's slices. "sharded": every worker writes its own
+    shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter) fits 4
+    times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and sharding
+    strategy."""
     every_n_steps: int = 100
     """Checkpoint every N steps, and at the end."""
     async_save: bool = field(default=False, metadata={"key": "async"})
