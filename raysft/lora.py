@@ -47,8 +47,14 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int | None = None) -> 
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     if seed is not None:
-        init_parameters(model, seed, init_adapter, name_of=clean_name, select=lambda name: is_adapter(f"{name}."))
+        init_adapters(model, seed)
     return model
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Not collective: the seeded initialization of the adapters (in full, or this rank's shards of them), the
+    base weights untouched."""
+    init_parameters(model, seed, init_adapter, name_of=clean_name, select=lambda name: is_adapter(f"{name}."))
 
 
 def init_adapter(name: str, module: nn.Module) -> None:

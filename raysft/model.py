@@ -1,9 +1,11 @@
-"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, in full only where needed.
+"""Building LLaMA-style causal LMs with transformers: on the meta device for sharding, then each rank's shards.
 
 Every rank builds the model with parameters on the meta device (no memory), shards it and then materializes only
-its own shards. A from-scratch model is initialized there, each rank computing its own slices module by module
-(raysft.seeded_init): no rank holds a full copy. Pretrained weights: rank 0 alone builds a real copy whose full
-state dict is broadcast shard by shard, one full copy in the job where the alternative is one per rank.
+its own shards. Pretrained weights are read by every rank from the safetensors files, each its own slices
+(raysft.hf_weights); a from-scratch model is initialized on every rank module by module, each rank keeping its
+slices (raysft.seeded_init): no rank holds the whole model. Only pretrained weights whose parameter names are not
+the files' (tied weights, a conversion mapping) take the other way: rank 0 builds a real copy whose full state
+dict is broadcast shard by shard.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 import raysft.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
+from raysft.collectives import all_ranks
 from raysft.config import ConfigError, ModelConfig
-from raysft.lora import add_adapters, init_adapter, is_adapter
-from raysft.model_files import ModelDirError, check_config_file, check_model_dir
+from raysft.hf_weights import read_local_slices, tensor_files
+from raysft.lora import add_adapters, init_adapter, init_adapters, is_adapter
+from raysft.model_files import ModelDirError, check_config_file, check_model_dir, weight_files
 from raysft.seeded_init import clean_name, init_parameters
 
 PRESETS: dict[str, dict] = {
@@ -153,13 +157,64 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
     return classes
 
 
-def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
-    """Collective for pretrained weights: rank 0 builds the full model on CPU and broadcasts it; every rank keeps
-    only its shards. From scratch, each rank initializes its own shards (`init_from_seed`), no collective."""
+def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> str | None:
+    """Fill this rank's shards with the initial weights. From scratch: each rank initializes its own shards
+    (`init_from_seed`), no collective. Pretrained (collective): read per rank from the safetensors files, or, when
+    they cannot be read that way, built by rank 0 and broadcast. Returns why pretrained weights took rank 0's way
+    (None when they did not)."""
     if not cfg.path:
         init_from_seed(model, seed)
-        return
-    # LoRA: the adapters' initial values come along, seeded
+        return None
+    problem = slice_read_problem(model, Path(cfg.path).expanduser())
+    if all_ranks(problem is None):
+        read_pretrained_slices(model, cfg, seed)
+        return None
+    broadcast_from_rank0(model, cfg, config, seed)
+    return problem or "another worker cannot read model.path's files"
+
+
+def broadcast_from_rank0(model: nn.Module, cfg: ModelConfig, config: PretrainedConfig, seed: int) -> None:
+    """Collective: rank 0 builds the full model on CPU (LoRA's adapters seeded with it) and broadcasts it; every
+    rank keeps only its shards."""
     full_sd = add_adapters(build_full_model(cfg, config, seed), cfg.lora, seed).state_dict() \
         if dist.get_rank() == 0 else {}
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def file_name(name: str) -> str:
+    """The name a parameter of the (sharded, LoRA-adapted) model has in a Hugging Face model directory."""
+    return clean_name(name).replace(".base_layer.", ".")
+
+
+def _base_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's pretrained tensors (all but LoRA's adapters) by their names in the files, persistent buffers
+    included: what from_pretrained fills."""
+    return {file_name(n): t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}
+
+
+def slice_read_problem(model: nn.Module, path: Path) -> str | None:
+    """Why the model's pretrained weights cannot be read from `path`'s files name by name (None if they can)."""
+    if tied_parameter_aliases(model):
+        return ("tied weights: " + ", ".join(f"{a} is {c}" for a, c in tied_parameter_aliases(model).items()) +
+                " (the files may hold either name)")
+    if getattr(model, "_checkpoint_conversion_mapping", None):
+        return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
+    try:
+        files = tensor_files(weight_files(path))
+    except (OSError, ModelDirError) as e:
+        return f"cannot read the safetensors files of {path}: {e}"
+    if not files:
+        return f"{path} has no safetensors files"
+    missing = sorted(set(_base_tensors(model)) - set(files))
+    if missing:
+        return (f"{len(missing)} of the model's tensors are not in the files under their names (e.g. {missing[0]!r}): "
+                "the checkpoint uses other names")
+    return None
+
+
+def read_pretrained_slices(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Every rank: its slices of the pretrained weights from the files; LoRA's adapters their seeded slices
+    (raysft.seeded_init: the values add_adapters gives a full model from the same seed)."""
+    read_local_slices(_base_tensors(model), tensor_files(weight_files(Path(cfg.path).expanduser())))
+    if cfg.lora.r:
+        init_adapters(model, seed)

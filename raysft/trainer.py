@@ -105,7 +105,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
         self.hf_config = load_model_config(cfg.model, self.tokenizer)
 
-        # Model: meta → sharded → materialized shards → weights broadcast from rank 0.
+        # Model: meta → sharded → materialized shards → each rank's slices of the weights.
         self.model = add_adapters(build_meta_model(self.hf_config, cfg.model.attn_implementation), cfg.model.lora)
         self.aliases = tied_parameter_aliases(self.model)
         self.matmul_params = matmul_parameters(self.model)
@@ -125,7 +125,9 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
                                          preemption_deadline, stop_requested)
         if resume_dir is None or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
-            load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
+            fallback = load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
+            if fallback:  # pretrained weights through rank 0's memory: say why, where the run's events are
+                self.log.event("weights_from_rank0", path=cfg.model.path, reason=fallback)
         if resume_dir is not None:
             self.state = self.checkpointer.load(resume_dir)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)

@@ -4,7 +4,8 @@ Modules, by role:
   checkpointer  when to save (cadence, preemption notices, stop requests: Checkpointer.due), layout choice, one
                 save at a time in the background, commit through a Sink, load; no save of NaN or inf
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
-  full          rank 0 gathers and writes an HF model directory (model.safetensors) plus the optimizer state
+  full          an HF model directory (model.safetensors) plus the optimizer state, gathered a tensor at a time
+                onto rank 0 and written by it; resumed from each rank's slices
   sharded       every rank writes its own DCP shards; loads reshard to any topology
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
   state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors

@@ -1,11 +1,17 @@
-"""The full layout: rank 0 gathers everything to its CPU and writes plain files, so the checkpoint directory is a
-Hugging Face model directory that transformers loads as it is:
+"""The full layout: whole tensors in plain files, so the checkpoint directory is a Hugging Face model directory
+that transformers (and any safetensors reader) loads as it is:
 
     config.json, model.safetensors, tokenizer files      the model
     optimizer.safetensors, optimizer.json                AdamW state by parameter name, and the param groups
 
-Loading: rank 0 reads the files (downloaded first from remote storage, each checked against the manifest on the
-way) and broadcasts; the other ranks receive only their shards. Nothing is unpickled.
+Saving streams: each tensor is gathered whole, one at a time, and rank 0 writes it into its place in the file
+before the next is gathered, so no rank holds more than its shards and one tensor (the safetensors header, all
+shapes and dtypes, is known before any gather). With checkpoint.async the whole state is gathered onto rank 0
+first, the snapshot that lets training go on while it is written.
+
+Loading: where every rank sees the checkpoint's files (local or shared storage), each reads only its own slices
+of every tensor from them (raysft.hf_weights); otherwise (remote storage) rank 0 reads the files (downloaded
+first, each checked against the manifest on the way) and broadcasts. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
 
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
 from raysft.checkpoint.trainable import check_adapter_names, state_dict_options
-from raysft.collectives import from_rank0
+from raysft.collectives import all_ranks, from_rank0
+from raysft.hf_weights import WeightsFileError, read_local_slices
 from raysft.storage import Location, location
 
 OPTIMIZER_META_FILE = "optimizer.json"
@@ -39,7 +48,9 @@ _BROADCAST = dict(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
-    """Collective (the gather); rank 0 writes."""
+    """Collective (the gathers); rank 0 writes."""
+    if not asynchronous:
+        return _save_streamed(out_dir, objs)
     options = state_dict_options(objs.model, **_GATHER)  # LoRA: the adapters only
     model_sd = get_model_state_dict(objs.model, options=options)
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
@@ -48,13 +59,7 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     for alias in objs.aliases:
         model_sd.pop(alias, None)
     model = {k: v.contiguous() for k, v in model_sd.items()}
-    tensors, scalars = {}, {}
-    for fqn, param_state in optim_sd["state"].items():
-        for key, value in param_state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{fqn}/{key}"] = value.contiguous()
-            else:
-                scalars[f"{fqn}/{key}"] = value
+    tensors, scalars = _split_optimizer_state(optim_sd)
     optimizer_json = json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars})
 
     def write() -> dict[str, str]:
@@ -63,14 +68,90 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
         (out_dir / OPTIMIZER_META_FILE).write_text(optimizer_json)
         return hashes
 
-    if not asynchronous:
-        return run_now(write)
     # a gathered tensor shares memory with the live one where nothing was sharded (one rank, NO_SHARD on CPU):
     # copy those, and only those, before training goes on
     live = {t.untyped_storage().data_ptr() for t in _local_tensors(objs)}
     model = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in model.items()}
     tensors = {k: v.clone() if v.untyped_storage().data_ptr() in live else v for k, v in tensors.items()}
     return background().submit(write)
+
+
+def _split_optimizer_state(optim_sd: dict) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """The optimizer state as the files hold it: tensors by "fqn/key" (optimizer.safetensors), the rest by the
+    same names (optimizer.json)."""
+    tensors, scalars = {}, {}
+    for fqn, param_state in optim_sd["state"].items():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{fqn}/{key}"] = value
+            else:
+                scalars[f"{fqn}/{key}"] = value
+    return tensors, scalars
+
+
+class _Gathering(dict):
+    """Sharded tensors by name, each gathered whole when `whole` reaches it. Collective: every rank gathers the
+    same tensors in the same order; rank 0 writes each one (write_safetensors) and lets it go, the other ranks
+    only take part (`finish`), as rank 0 does for what is left after a failed write."""
+
+    gathered = 0
+
+    def whole(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The whole tensor on rank 0 (None on the others)."""
+        self.gathered += 1
+        if not isinstance(t, DTensor):
+            return t.detach().cpu()
+        if t.to_local().device.type != t.device_mesh.device_type:  # offloaded shards: gathered on the device
+            t = t.to(t.device_mesh.device_type)
+        if t.placements != (Shard(0),) or t.device_mesh.device_type != "cpu":
+            return t.full_tensor().cpu()  # every rank gets it whole (HSDP, NO_SHARD; NCCL has no gather)
+        return _gather_to_rank0(t)
+
+    def finish(self) -> None:
+        for t in list(self.values())[self.gathered:]:
+            self.whole(t)
+
+
+def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
+    """FSDP2's layout (dim 0 split in equal padded pieces, the last ones short or empty) gathered straight into one
+    padded tensor on rank 0: no other rank allocates anything, rank 0 the tensor once."""
+    world = dist.get_world_size(t.device_mesh.get_group())
+    piece = -(-t.shape[0] // world)  # FSDP2 pads dim 0 to a multiple of the world size
+    local = t.to_local()
+    padded = local
+    if local.shape[0] != piece or not local.is_contiguous():
+        padded = local.new_zeros((piece, *t.shape[1:]))
+        padded[:local.shape[0]] = local
+    whole = local.new_empty((piece * world, *t.shape[1:])) if dist.get_rank() == 0 else None
+    dist.gather(padded, list(whole.chunk(world)) if whole is not None else None, dst=0,
+                group=t.device_mesh.get_group())
+    return whole[:t.shape[0]] if whole is not None else None
+
+
+def _save_streamed(out_dir: Path, objs: TrainingObjects) -> Future:
+    options = state_dict_options(objs.model)  # sharded; LoRA: the adapters only
+    model = _Gathering((k, v) for k, v in get_model_state_dict(objs.model, options=options).items()
+                       if k not in objs.aliases)
+    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
+    tensors, scalars = _split_optimizer_state(optim_sd)
+    optimizer = _Gathering(tensors)
+    if dist.get_rank() != 0:
+        model.finish()
+        optimizer.finish()
+        return run_now(lambda: None)
+
+    def write() -> dict[str, str]:
+        try:
+            hashes = {MODEL_FILE: write_safetensors(out_dir / MODEL_FILE, model, metadata={"format": "pt"})}
+            hashes[OPTIMIZER_FILE] = write_safetensors(out_dir / OPTIMIZER_FILE, optimizer)
+        finally:  # the other ranks gather on: a write that failed must not leave them waiting
+            model.finish()
+            optimizer.finish()
+        (out_dir / OPTIMIZER_META_FILE).write_text(json.dumps({"param_groups": optim_sd["param_groups"],
+                                                               "scalars": scalars}))
+        return hashes
+
+    return run_now(write)
 
 
 def _local_tensors(objs: TrainingObjects) -> list[torch.Tensor]:
@@ -87,7 +168,8 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """Write a safetensors file straight from the tensors' memory, hashing it on the way; returns its sha256.
     safetensors' own save_file first copies every tensor into one bytes object: a second copy of the whole state
-    on rank 0, and a second pass over it. The file is read back with safetensors (load_file) as ever."""
+    on rank 0, and a second pass over it. The file is read back with safetensors (load_file) as ever. Tensors
+    being gathered (_Gathering) are written one at a time, each as it arrives: the header needs only the shapes."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, t in tensors.items():
@@ -100,29 +182,30 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         out = HashingWriter(f)
         out.write(len(encoded).to_bytes(8, "little"))
         out.write(encoded)
-        for t in tensors.values():
+        for name in tensors:
+            t = tensors.whole(tensors[name]) if isinstance(tensors, _Gathering) else tensors[name]
             if t.numel():
                 out.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+            del t  # before the next gather
         return out.hexdigest()
 
 
 def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
-    """Collective: rank 0 reads, every rank receives its shards. A read that fails on rank 0 (a file that does not
-    match its sha256, adapters of another model.lora) is raised on every rank: the others would otherwise wait in
-    the broadcast below until the collective timeout."""
+    """Collective: every rank reads its own slices where every rank sees the files, else rank 0 reads and every
+    rank receives its shards. A read that fails on rank 0 (a file cut off or that does not match its sha256,
+    adapters of another model.lora) is raised on every rank: the others would otherwise wait in the broadcast
+    below until the collective timeout."""
+    ckpt = location(ckpt_dir)
+    per_rank = all_ranks(ckpt.local is not None and all((ckpt.local / n).is_file() for n in _FILES))
     model_sd: dict = {}
     optim_sd: dict = {}
     error = None
     if dist.get_rank() == 0:
         try:
-            with local_copy(ckpt_dir, (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE)) as local:
-                model_sd = read_safetensors(local / MODEL_FILE)
-                for alias, canonical in objs.aliases.items():
-                    if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
-                        model_sd[alias] = model_sd[canonical]
-                if objs.lora:
-                    check_adapter_names(objs.model, model_sd, str(ckpt_dir))
-                optim_sd = _read_optimizer(local)
+            if per_rank:  # the headers only: what each rank will read is there
+                _check_headers(ckpt.local, objs)
+            else:
+                model_sd, optim_sd = _read_whole(ckpt_dir, objs)
         except Exception as e:  # noqa: BLE001 - raised below, on rank 0 as itself
             error = e
     failure = from_rank0(lambda: None if error is None else str(error))
@@ -130,9 +213,65 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
         if error is not None:
             raise error
         raise CheckpointError(f"{ckpt_dir}: rank 0 could not read the full checkpoint: {failure}")
+    if per_rank:
+        _read_slices(ckpt.local, objs)
+        return
     options = state_dict_options(objs.model, **_BROADCAST)
     set_model_state_dict(objs.model, model_sd, options=options)
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
+
+
+_FILES = (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE)
+
+
+def _check_headers(ckpt_dir: Path, objs: TrainingObjects) -> None:
+    names = {}
+    for name in (MODEL_FILE, OPTIMIZER_FILE):
+        try:
+            with safe_open(ckpt_dir / name, framework="pt") as f:
+                names[name] = list(f.keys())  # noqa: SIM118 - safe_open has no __iter__
+        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+            raise CheckpointError(f"{ckpt_dir / name}: cannot read: {e}") from e
+    if objs.lora:
+        check_adapter_names(objs.model, names[MODEL_FILE], str(ckpt_dir))
+
+
+def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
+    """Every rank: its slices of the weights and of the optimizer state, from the files into the sharded state
+    dicts, which are then set (a local copy)."""
+    options = state_dict_options(objs.model)
+    model_sd = get_model_state_dict(objs.model, options=options)
+    optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
+    tensors, _ = _split_optimizer_state(optim_sd)
+    files = {name: ckpt_dir / MODEL_FILE for name in model_sd}
+    files.update({alias: ckpt_dir / MODEL_FILE for alias in objs.aliases})
+    try:
+        read_local_slices({k: v for k, v in model_sd.items() if k not in objs.aliases}, files)
+        read_local_slices(tensors, dict.fromkeys(tensors, ckpt_dir / OPTIMIZER_FILE))
+    except (WeightsFileError, OSError) as e:
+        raise CheckpointError(f"{ckpt_dir}: {e}") from e
+    for alias, canonical in objs.aliases.items():
+        if alias in model_sd and canonical in model_sd:
+            model_sd[alias] = model_sd[canonical]
+    meta = _read_optimizer_meta(ckpt_dir)
+    for key, value in meta["scalars"].items():
+        fqn, _, name = key.rpartition("/")
+        optim_sd["state"].setdefault(fqn, {})[name] = value
+    optim_sd["param_groups"] = meta["param_groups"]
+    set_model_state_dict(objs.model, model_sd, options=options)
+    set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
+
+
+def _read_whole(ckpt_dir: Path | Location, objs: TrainingObjects) -> tuple[dict, dict]:
+    """Rank 0: the whole model and optimizer state, to broadcast."""
+    with local_copy(ckpt_dir, _FILES) as local:
+        model_sd = read_safetensors(local / MODEL_FILE)
+        for alias, canonical in objs.aliases.items():
+            if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
+                model_sd[alias] = model_sd[canonical]
+        if objs.lora:
+            check_adapter_names(objs.model, model_sd, str(ckpt_dir))
+        return model_sd, _read_optimizer(local)
 
 
 @contextlib.contextmanager
@@ -151,12 +290,18 @@ def local_copy(ckpt_dir: Path | Location, names: tuple[str, ...]) -> Iterator[Pa
         yield Path(tmp)
 
 
-def _read_optimizer(ckpt_dir: Path) -> dict:
+def _read_optimizer_meta(ckpt_dir: Path) -> dict:
+    """optimizer.json: the param groups (betas a tuple again, as AdamW keeps them) and the non-tensor state."""
     meta = json.loads((ckpt_dir / OPTIMIZER_META_FILE).read_text())
+    for group in meta["param_groups"]:
+        group["betas"] = tuple(group["betas"])
+    return meta
+
+
+def _read_optimizer(ckpt_dir: Path) -> dict:
+    meta = _read_optimizer_meta(ckpt_dir)
     state: dict[str, dict] = {}
     for key, value in [*read_safetensors(ckpt_dir / OPTIMIZER_FILE).items(), *meta["scalars"].items()]:
         fqn, _, name = key.rpartition("/")
         state.setdefault(fqn, {})[name] = value
-    for group in meta["param_groups"]:
-        group["betas"] = tuple(group["betas"])
     return {"state": state, "param_groups": meta["param_groups"]}

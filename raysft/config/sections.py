@@ -41,7 +41,8 @@ class ModelConfig:
     path: str = ""
     """Local Hugging Face directory (config.json + safetensors) to fine-tune. Empty: train from scratch. Its files
     are checked on the driver (raysft.model_files); one whose config asks for code of its own (auto_map) is refused:
-    no code from a model directory runs."""
+    no code from a model directory runs. Every worker reads its own slices of the weights from these files, so the
+    directory must be readable at this path on every node (a shared mount)."""
     config: str = "demo-tiny"
     """From-scratch architecture: a preset name (see raysft.model.PRESETS) or a config.json / directory."""
     tokenizer: str = "builtin:demo"
@@ -174,10 +175,11 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     mode: Literal["auto", "full", "sharded"] = "auto"
-    """"full": rank 0 gathers the whole state to CPU and writes HF safetensors. "sharded": every worker writes
-    its own shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter)
-    fits 4 times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and
-    sharding strategy."""
+    """"full": HF safetensors, gathered one tensor at a time onto rank 0, which writes them (with async, the whole
+    state first); a resume from shared storage reads each rank's slices. "sharded": every worker writes its own
+    shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter) fits 4
+    times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and sharding
+    strategy."""
     every_n_steps: int = 100
     """Checkpoint every N steps, and at the end."""
     async_save: bool = field(default=False, metadata={"key": "async"})
