@@ -22,17 +22,19 @@ from torch import nn
 
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, to_device
-from raysft.loss import loss_inputs, micro_batch_loss_sum
+from raysft.loss import micro_batch_loss_sum
+from raysft.sequence_parallel import SequenceShard, model_batch
 
 
 class Evaluator:
     """Every rank's share of the eval store, walked in rounds of train.global_batch_size samples cut into
-    micro-batches as training cuts them (micro_batch_size samples, or micro_batch_tokens tokens with packing)."""
+    micro-batches as training cuts them (micro_batch_size samples, or micro_batch_tokens tokens with packing);
+    the workers of a sequence group share their group's samples, each its slice of them, as in training."""
 
-    def __init__(self, store: Path, cfg: TrainConfig, rank: int, world_size: int, device: torch.device,
-                 pad_id: int):
+    def __init__(self, store: Path, cfg: TrainConfig, shard: SequenceShard, device: torch.device, pad_id: int):
         self.dataset = TokenizedDataset(store)
-        self.cfg, self.rank, self.world_size, self.device, self.pad_id = cfg, rank, world_size, device, pad_id
+        self.cfg, self.shard, self.device, self.pad_id = cfg, shard, device, pad_id
+        self.rank, self.world_size = shard.dp_rank, shard.dp_size
         self.label_tokens = int(self.dataset.num_loss_tokens.sum())
 
     def due(self, step: int, checkpoint_due: bool) -> bool:
@@ -55,8 +57,7 @@ class Evaluator:
                     chunk = np.arange(first, min(n, first + per_round))
                     for indices, real in self._micro_batches(chunk):
                         batch = collate(self.dataset, indices, self.pad_id, self.cfg.data.packing)
-                        if self.cfg.train.loss_chunk_tokens:
-                            batch.update(loss_inputs(batch.pop("labels")))
+                        batch = model_batch(batch, self.shard, self.pad_id, bool(self.cfg.train.loss_chunk_tokens))
                         loss = micro_batch_loss_sum(model, to_device(batch, self.device))
                         if real:
                             total += loss.double()

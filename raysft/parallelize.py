@@ -5,6 +5,10 @@ PyTorch's FSDP1 names map onto FSDP2 as follows; all four use the same `fully_sh
   SHARD_GRAD_OP  same mesh, params kept unsharded between forward and backward
   HYBRID_SHARD   2-D mesh ("replicate", "shard"): shard inside a node (or hsdp_shard_size workers), replicate across
   NO_SHARD       2-D mesh (world, 1): every worker holds everything, gradients are all-reduced (data parallel)
+
+With `sequence_parallel: N` the layout gets a third, innermost dimension, "sequence" (N consecutive ranks, one
+process group each, raysft.sequence_parallel), carved out of "shard" (out of "replicate" for NO_SHARD); FSDP's
+mesh folds it back into "shard", so every worker's partial gradient is summed in the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -22,20 +26,24 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from raysft.config import ConfigError, ParallelConfig, parallel_layout
 from raysft.model import decoder_layer_classes
+from raysft.sequence_parallel import apply_sequence_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """(replicate, shard) sizes; validated before any process group or model exists."""
+    """(replicate, shard, sequence) sizes; validated before any process group or model exists."""
 
     replicate: int
     shard: int
+    sequence: int = 1
 
     @property
     def dims(self) -> tuple[int, ...]:
-        return (self.shard,) if self.replicate == 1 else (self.replicate, self.shard)
+        """FSDP's mesh: the sequence dimension folded into "shard"."""
+        shard = self.shard * self.sequence
+        return (shard,) if self.replicate == 1 else (self.replicate, shard)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -43,10 +51,23 @@ class MeshShape:
 
 
 def mesh_shape(cfg: ParallelConfig, node_ranks: Sequence[int]) -> MeshShape:
-    """The mesh for `cfg.sharding`, given every worker's node rank in world-rank order (Ray groups each node's
-    workers under consecutive ranks). Raises ConfigError before any model is built."""
+    """The mesh for `cfg.sharding` and `cfg.sequence_parallel`, given every worker's node rank in world-rank order
+    (Ray groups each node's workers under consecutive ranks). Raises ConfigError before any model is built."""
     fixed = parallel_layout(cfg, len(node_ranks))
-    return MeshShape(*(fixed or _replicas_and_workers_per_node(node_ranks)))
+    base = MeshShape(*(fixed or _replicas_and_workers_per_node(node_ranks)))
+    n = cfg.sequence_parallel
+    if n == 1:
+        return base
+    if cfg.sharding == "NO_SHARD":
+        if base.replicate % n:
+            raise ConfigError(f"config key 'parallel.sequence_parallel': {n} does not divide the world size "
+                              f"{base.replicate}")
+        return MeshShape(base.replicate // n, 1, n)
+    if base.shard % n:
+        raise ConfigError(f"config key 'parallel.sequence_parallel': {n} does not divide the shard group of "
+                          f"{base.shard} workers ({cfg.sharding}; a sequence group stays inside a shard group, "
+                          "inside a node)")
+    return MeshShape(base.replicate, base.shard // n, n)
 
 
 def _replicas_and_workers_per_node(node_ranks: Sequence[int]) -> tuple[int, int]:
@@ -78,12 +99,28 @@ def gather_node_ranks(node_rank: int, device: torch.device) -> list[int]:
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    """FSDP's mesh (`MeshShape.dims`): every worker of a replica, sequence groups included, shards the parameters
+    and sums its partial gradient in the reduce-scatter; the sequence groups are `sequence_group`'s."""
     return init_device_mesh(device_type, shape.dims, mesh_dim_names=shape.names)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig) -> nn.Module:
-    """Activation checkpointing, then torch.compile, then fully_shard per decoder layer, then the root (embeddings,
-    norm, head): torchtitan's order."""
+def sequence_group(shape: MeshShape) -> dist.ProcessGroup | None:
+    """Collective: this worker's sequence group, the mesh's innermost dimension (`shape.sequence` consecutive
+    ranks); None without sequence parallelism."""
+    if shape.sequence == 1:
+        return None
+    n = shape.sequence
+    groups = [dist.new_group(list(range(first, first + n))) for first in range(0, dist.get_world_size(), n)]
+    return groups[dist.get_rank() // n]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
+                sequence: dist.ProcessGroup | None = None) -> nn.Module:
+    """Sequence parallelism's attention, then activation checkpointing, then torch.compile, then fully_shard per
+    decoder layer, then the root (embeddings, norm, head): torchtitan's order."""
+    # 0. Ulysses attention over the sequence group (raysft.sequence_parallel).
+    if sequence is not None:
+        apply_sequence_parallel(model, sequence)
     layer_classes = decoder_layer_classes(model)
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if isinstance(child, layer_classes)]

@@ -25,6 +25,7 @@ from raysft.lora import add_adapters
 from raysft.loss import check_chunked_loss
 from raysft.model import build_meta_model, load_model_config
 from raysft.seeded_init import INIT_SCHEME
+from raysft.sequence_parallel import check_sequence_parallel
 from raysft.storage import Location, location, native
 from raysft.trackers import check_trackers
 
@@ -71,6 +72,7 @@ def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None
     check_attention(hf_config, config.model.attn_implementation, config.data.max_seq_len)
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)
+    check_sequence_parallel(config, hf_config)
     if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
         add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
 

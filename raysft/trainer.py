@@ -29,7 +29,7 @@ from raysft.data.dataloader import (
 from raysft.data.tokenizer import load_tokenizer
 from raysft.evaluation import Evaluator
 from raysft.lora import add_adapters, record
-from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
+from raysft.loss import install_chunked_loss, micro_batch_loss_sum
 from raysft.metrics import (
     MetricsLogger,
     StepTotals,
@@ -46,7 +46,8 @@ from raysft.model import (
     tied_parameter_aliases,
 )
 from raysft.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
-from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize
+from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
+from raysft.sequence_parallel import SequenceShard, model_batch
 from raysft.step_guard import StepGuard
 
 
@@ -97,8 +98,9 @@ class Trainer:
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
-        self.mesh = build_mesh(mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device)),
-                               ctx.device.type)
+        shape = mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
+        self.mesh, self.sequence_group = build_mesh(shape, ctx.device.type), sequence_group(shape)
+        self.shard = SequenceShard.of(ctx.rank, ctx.world_size, cfg.parallel.sequence_parallel)
         if t.deterministic:
             use_deterministic_kernels(ctx.device)
         torch.manual_seed(t.seed + ctx.rank)  # each rank's own stream (dropout); checkpoints carry it on
@@ -110,7 +112,7 @@ class Trainer:
         self.aliases = tied_parameter_aliases(self.model)
         self.matmul_params = matmul_parameters(self.model)
         self.peak_tflops = peak_tflops(ctx.device, cfg.parallel.mixed_precision)
-        parallelize(self.model, self.mesh, cfg.parallel)
+        parallelize(self.model, self.mesh, cfg.parallel, self.sequence_group)
         materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
         if t.loss_chunk_tokens:
             install_chunked_loss(self.model, t.loss_chunk_tokens)
@@ -135,7 +137,7 @@ class Trainer:
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
             self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
         self.log.open_trackers(cfg, self.state.step if resume_dir is not None else None)
-        self.evaluator = Evaluator(eval_store, cfg, ctx.rank, ctx.world_size, ctx.device,
+        self.evaluator = Evaluator(eval_store, cfg, self.shard, ctx.device,
                                    self.tokenizer.pad_token_id) if eval_store else None
         self.dataset = TokenizedDataset(store)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
@@ -185,7 +187,8 @@ class Trainer:
         start = time.time()
         global_batch = self.sampler.next_batch()
         # Normalize by the assistant tokens of the whole global batch, so the gradient is the same for any
-        # split into workers and micro-batches (FSDP averages gradients over workers: hence × world size).
+        # split into workers, micro-batches and sequence slices (FSDP averages gradients over every worker,
+        # sequence groups included: hence × world size).
         loss_tokens = max(1, int(self.dataset.num_loss_tokens[global_batch].sum()))
         loss_sum = torch.zeros((), device=ctx.device)
         lengths: list[int] = []
@@ -230,18 +233,18 @@ class Trainer:
     def _micro_batches(self, global_batch):
         """This rank's micro-batches on the device, each with its samples' lengths and whether it is the last.
         Each is collated (and, on CUDA, pinned and copied without blocking) while the device still runs the
-        previous one's backward."""
-        t, ctx = self.cfg.train, self.ctx
+        previous one's backward. The workers of a sequence group take the same samples, each its own slice of
+        them; the group's first counts their lengths in the metrics."""
+        t, ctx, shard = self.cfg.train, self.ctx, self.shard
         if t.micro_batch_tokens:
-            parts = token_budget_micro_batches(global_batch, self.dataset.num_tokens, ctx.rank, ctx.world_size,
+            parts = token_budget_micro_batches(global_batch, self.dataset.num_tokens, shard.dp_rank, shard.dp_size,
                                                t.micro_batch_tokens)
         else:
-            parts = rank_micro_batches(global_batch, ctx.rank, ctx.world_size, t.micro_batch_size)
+            parts = rank_micro_batches(global_batch, shard.dp_rank, shard.dp_size, t.micro_batch_size)
         for i, indices in enumerate(parts):
             batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
-            sizes = sample_lengths(batch)
-            if t.loss_chunk_tokens:
-                batch.update(loss_inputs(batch.pop("labels")))
+            sizes = sample_lengths(batch) if shard.sp_rank == 0 else []
+            batch = model_batch(batch, shard, self.tokenizer.pad_token_id, bool(t.loss_chunk_tokens))
             yield to_device(batch, ctx.device), sizes, i == len(parts) - 1
 
     def reduce_metrics(self, evaluate: bool = False) -> dict:

@@ -21,6 +21,7 @@ from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
 from raysft.data.store import write_samples
 from raysft.data.tokenizer import load_tokenizer
 from raysft.evaluation import Evaluator
+from raysft.sequence_parallel import SequenceShard
 
 
 def test_eval_fraction_holds_the_same_records_out_every_time_and_never_trains_on_them(tmp_path):
@@ -100,7 +101,8 @@ def gloo_one():
 
 def test_eval_loss_is_summed_over_label_tokens_and_leaves_the_rng_and_the_mode_as_they_were(tmp_path, gloo_one):
     cfg = load_config(None, ["train.micro_batch_size=2", "train.global_batch_size=4", "train.loss_chunk_tokens=0"])
-    evaluator = Evaluator(tiny_store(tmp_path / "s", [3, 5, 2, 6, 4]), cfg, 0, 1, torch.device("cpu"), pad_id=0)
+    evaluator = Evaluator(tiny_store(tmp_path / "s", [3, 5, 2, 6, 4]), cfg, SequenceShard(0, 1), torch.device("cpu"),
+                          pad_id=0)
     model = DrawingLM().train()
     before = torch.get_rng_state()
     result = evaluator.run(model)
@@ -118,7 +120,7 @@ def test_every_rank_runs_as_many_eval_micro_batches_and_only_real_ones_count(tmp
     for sets in (["train.micro_batch_size=1"], ["data.packing=true", "train.micro_batch_tokens=512",
                                                 "train.micro_batch_size=1", "data.max_seq_len=8"]):
         cfg = load_config(None, [*sets, "train.global_batch_size=4"])
-        per_rank = [Evaluator(store, cfg, r, 2, torch.device("cpu"), 0) for r in range(2)]
+        per_rank = [Evaluator(store, cfg, SequenceShard(r, 2), torch.device("cpu"), 0) for r in range(2)]
         cuts = [[(e._micro_batches(chunk)) for chunk in (np.arange(0, 4), np.arange(4, 5))] for e in per_rank]
         for round_ in range(2):
             assert len(cuts[0][round_]) == len(cuts[1][round_])

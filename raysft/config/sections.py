@@ -170,6 +170,10 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each decoder layer (after activation checkpointing, before sharding, as torchtitan does); the
     first steps, and each new shape, pay the compile time."""
+    sequence_parallel: int = 1
+    """Ulysses sequence parallelism: each group of N consecutive workers holds 1/N of every packed row's tokens
+    and trades it for 1/N of the heads around attention (docs/SEQUENCE_PARALLEL.md); 1: off. Needs data.packing
+    and model.attn_implementation varlen; N divides the workers and the model's attention heads."""
 
 
 @dataclass
