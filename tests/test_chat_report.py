@@ -1,6 +1,7 @@
 """`raysft chat` and `raysft report` on a run trained for real: 6 steps with full checkpoints, then the same run
 continued to step 9 with sharded ones (a resume, which the report marks)."""
 
+import itertools
 import json
 import re
 import shutil
@@ -90,24 +91,28 @@ def test_generate_and_chat_stop_where_the_exported_generation_config_says(run, t
     holds the template's end of turn); a stop listed only in generation_config.json ends chat's reply too."""
     from transformers import AutoModelForCausalLM
 
-    chat = ChatModel.load(run.full_hf)
-    inputs = chat.tokenizer.apply_chat_template([{"role": "user", "content": Q1}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)
-    plain = AutoModelForCausalLM.from_pretrained(run.full_hf).generate(**inputs, max_new_tokens=64, do_sample=False)
-    answer = plain[0, inputs["input_ids"].shape[1]:].tolist()
-    assert answer[-1] in chat.stop_ids and len(answer) < 64  # it stopped, at a stop token
-    assert chat.tokenizer.decode(answer, skip_special_tokens=True).strip() == chat.reply(
-        [{"role": "user", "content": Q1}], 64)
-
+    # Barely trained models: some answer every prompt with one token, which cannot show a listed stop cutting an
+    # answer short; the first export and prompt with a longer answer serve for that, every one tried for the rest.
+    for exported, question in itertools.product((run.full_hf, run.sharded_hf), (Q1, Q2, "Tell me about the ocean.")):
+        chat, model = ChatModel.load(exported), AutoModelForCausalLM.from_pretrained(exported)
+        messages = [{"role": "user", "content": question}]
+        inputs = chat.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True)
+        plain = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+        answer = plain[0, inputs["input_ids"].shape[1]:].tolist()
+        assert answer[-1] in chat.stop_ids and len(answer) < 64  # it stopped, at a stop token
+        assert chat.tokenizer.decode(answer, skip_special_tokens=True).strip() == chat.reply(messages, 64)
+        if len(answer) > 2:
+            break
     first = answer[0]
-    assert first not in chat.stop_ids and len(answer) > 2
+    assert first not in chat.stop_ids and len(answer) > 2, f"every prompt got a one-token answer: {answer}"
     listed = tmp_path / "hf"
-    shutil.copytree(run.full_hf, listed)
+    shutil.copytree(exported, listed)
     config = json.loads((listed / "generation_config.json").read_text())
     config["eos_token_id"] = [*config["eos_token_id"], first] if isinstance(config["eos_token_id"], list) else [
         config["eos_token_id"], first]
     (listed / "generation_config.json").write_text(json.dumps(config))
-    stopped = ChatModel.load(listed).reply([{"role": "user", "content": Q1}], 64)
+    stopped = ChatModel.load(listed).reply(messages, 64)
     assert stopped == chat.tokenizer.decode([first], skip_special_tokens=True).strip()
 
 
