@@ -220,9 +220,10 @@ def test_validation_changes_no_training_float_and_resumes_exactly_and_elasticall
 def test_export_picks_the_best_latest_or_a_step_of_a_run(tmp_path, gloo_pool):
     """keep_best=1 without Ray: what survives is the best by recorded eval loss and the latest; `raysft export RUN
     --checkpoint best` exports the best, `--checkpoint latest` the latest."""
-    cfg = run_config(tmp_path, "best", **{"data.eval_fraction": 0.05, "checkpoint.keep_best": 1,
-                                          "train.lr": 1.0, "train.max_steps": 9})  # a rate that makes it worse
-    gloo_pool.run(launch, cfg)
+    best = {"data.eval_fraction": 0.05, "checkpoint.keep_best": 1}
+    gloo_pool.run(launch, run_config(tmp_path, "best", **best, **{"train.max_steps": 3}))
+    cfg = run_config(tmp_path, "best", **best, **{"train.lr": 1.0, "train.max_steps": 9})  # a rate that makes it worse
+    gloo_pool.run(launch, cfg)  # resumed at step 3 with the higher rate
     evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
     assert sorted(evals) == [3, 6, 9]
     assert min(evals, key=evals.get) == 3, evals  # the first evaluation is the best: best and latest differ
