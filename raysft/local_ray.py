@@ -37,6 +37,10 @@ TEMP_PREFIX = "raysft-ray-"
 # Lines Ray's own actors write to stderr that the driver would print: C++ log lines ("[2026-... E 123 456]
 # core_worker.cc:2465: ...") and the state API's notice about other Rays on the machine.
 RAY_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\] \S+:\d+: |Found multiple active Ray instances")
+# A transient error Ray's own actors report and call harmless (Ray Train's controller on a loaded machine: "Failed
+# to send resource request ... it's safe to ignore this error"), with the traceback printed after it.
+RAY_TRANSIENT = re.compile(r"safe to ignore this error")
+TRACEBACK_LINE = re.compile(r"^(Traceback |\s|[\w.]+(Error|Exception)\b)")
 # How long a cluster named in RAY_ADDRESS may take to answer (a head still starting): Ray itself retries an address
 # nobody answers for minutes without a word.
 CONNECT_TIMEOUT_S = float(os.environ.get("RAYSFT_RAY_CONNECT_TIMEOUT_S", 30.0))
@@ -150,10 +154,26 @@ def _drop_ray_noise() -> None:
     except (ImportError, AttributeError):
         return
 
+    in_transient: dict[object, bool] = {}  # per process: inside a transient error's traceback
+
     def print_own_lines(data: dict) -> None:
-        lines = [line for line in data.get("lines", []) if not RAY_NOISE.search(line)]
+        lines, in_transient[data.get("pid")] = without_noise(data.get("lines", []), in_transient.get(data.get("pid")))
         if lines:
             print_lines({**data, "lines": lines}, ignore_prefix=ignore_prefix)
 
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", print_own_lines)
+
+
+def without_noise(lines: list[str], in_transient: bool = False) -> tuple[list[str], bool]:
+    """`lines` of one Ray process less RAY_NOISE and Ray's transient errors with their tracebacks; and whether the
+    last line was inside such a traceback (a traceback may go on in the process's next batch of lines)."""
+    kept = []
+    for line in lines:
+        if RAY_TRANSIENT.search(line):
+            in_transient = True
+        elif not (in_transient and TRACEBACK_LINE.match(line)):
+            in_transient = False
+            if not RAY_NOISE.search(line):
+                kept.append(line)
+    return kept, in_transient

@@ -8,6 +8,7 @@ import ray
 
 from raysft import launch, local_ray
 from raysft.config import ScalingConfig
+from raysft.local_ray import without_noise
 
 
 def test_without_ray_address_a_private_local_ray_is_started_not_another_one_joined(monkeypatch):
@@ -57,3 +58,20 @@ def test_with_ray_address_the_cluster_named_there_is_joined(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     launch.connect_ray(ScalingConfig())
     assert calls == [{}]
+
+
+def test_ray_s_transient_errors_and_their_tracebacks_stay_off_the_terminal_and_the_run_s_lines_do_not():
+    """What Ray Train's controller printed on a loaded machine, in two batches, between raysft's own lines."""
+    first = ["raysft: step 3", "Failed to send resource request for train-a94. If this only happens transiently "
+             "during network partition or CPU being overloaded, it's safe to ignore this error. If this error "
+             "persists, file a GitHub issue.", "Traceback (most recent call last):",
+             '  File "ray/train/v2/_internal/execution/scaling_policy/autoscaling_coordinator_client.py", line 58',
+             "    ray.get("]
+    second = ["           ^^^^^^^^^", "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.",
+              "raysft: step 4", "[2026-11-26 07:00:00,123 E 6116 6200] core_worker.cc:2465: gone"]
+    kept, inside = without_noise(first)
+    assert kept == ["raysft: step 3"] and inside
+    kept, inside = without_noise(second, inside)
+    assert kept == ["raysft: step 4"] and not inside
+    traceback = ["Traceback (most recent call last):", '  File "train.py", line 1', "ValueError: a real one"]
+    assert without_noise(traceback) == (traceback, False)  # not after a transient error: printed
