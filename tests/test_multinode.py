@@ -75,7 +75,7 @@ def test_nodes_reach_each_other_over_their_private_network_and_nothing_else(netn
             ["10.213.0.0/24", "dev", "eth0", "proto", "kernel", "scope", "link", "src", c.ip(node)]
 
 
-FAULT_STEPS, EVERY = 12, 3  # the fault run: a full checkpoint every 3 steps
+FAULT_STEPS, EVERY = 8, 2  # the fault run: a full checkpoint every 2 steps
 HSDP_SETS = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.max_steps": test_strategies.STEPS,
              "train.global_batch_size": 16, "train.micro_batch_size": 2}
 
