@@ -121,6 +121,14 @@ class NetnsCluster:
         assert out.returncode == 0, f"Ray did not see node {node} {'alive' if alive else 'dead'} " \
                                     f"within {timeout} s: {out.stderr[-2000:]}"
 
+    def actor_logs(self, node: int, actor_class: str, since: float) -> list[Path]:
+        """The stdout logs of the actors of one class that node's Ray nodes (the first and every replacement)
+        started since a time: Ray writes `:actor_name:<class>` into a worker's log when the worker becomes one."""
+        logs = [*self.state.glob(f"n{node}/session_latest/logs/worker-*.out"),
+                *self.state.glob(f"n{node}.*/session_latest/logs/worker-*.out")]
+        return [log for log in logs if log.stat().st_mtime >= since
+                and f":actor_name:{actor_class}\n" in log.read_text(errors="replace")]
+
     def set_link(self, node: int, up: bool) -> None:
         subprocess.run(["ip", "-n", self.namespace(node), "link", "set", "eth0", "up" if up else "down"], check=True)
 

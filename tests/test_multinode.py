@@ -3,7 +3,6 @@ cluster/netns.sh), so that Ray numbers them node 0 and node 1 as on a real clust
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import test_strategies
 import torch
 import torch.distributed as dist
 import yaml
-from conftest import run_workers, running, tiny_config
+from conftest import REPO, run_workers, running, tiny_config
 from safetensors.torch import load_file, save_file
 from test_faults_cluster import (
     config,
@@ -24,6 +23,7 @@ from test_faults_cluster import (
     reference,  # noqa: F401 - the fixture: uninterrupted runs on gloo processes
     wait_for,
 )
+from test_job_submit import ANSI, RAY, git_ignored
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -75,7 +75,7 @@ def test_nodes_reach_each_other_over_their_private_network_and_nothing_else(netn
             ["10.213.0.0/24", "dev", "eth0", "proto", "kernel", "scope", "link", "src", c.ip(node)]
 
 
-FAULT_STEPS, EVERY = 12, 3  # the fault run: a full checkpoint every 3 steps
+FAULT_STEPS, EVERY = 8, 2  # the fault run: a full checkpoint every 2 steps
 HSDP_SETS = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.max_steps": test_strategies.STEPS,
              "train.global_batch_size": 16, "train.micro_batch_size": 2}
 
@@ -151,10 +151,12 @@ def test_hybrid_shard_on_two_nodes_replicates_across_and_shards_within_them(netn
 
 def test_a_node_killed_and_a_link_cut_resume_from_the_last_checkpoint_on_a_replacement(
         netns_cluster, tmp_path, reference):  # noqa: F811 - the fixture imported above
-    """Two faults in one HYBRID_SHARD run over both nodes: every process of node 1 killed; later node 1's link cut
-    mid-step, until Ray declares the node dead, then restored (its raylet, told it is dead, ends itself). After
-    each, a replacement node joins and the run resumes from the last checkpoint, bit for bit the uninterrupted
-    run."""
+    """Two faults in one HYBRID_SHARD run over both nodes, submitted as a Ray job (`ray job submit` to the head's
+    job API, `python jobs/sft.py CONFIG` from the uploaded working dir; its driver runs on the head, which the
+    faults never touch): every process of node 1 killed; later node 1's link cut mid-step, until Ray declares the
+    node dead, then restored (its raylet, told it is dead, ends itself). After each, a replacement node joins and
+    the run resumes from the last checkpoint, bit for bit the uninterrupted run; the job succeeds, its workers ran
+    on both nodes and its checkpoints are in the run directory every node sees."""
     c = netns_cluster
     hsdp = {"parallel.sharding": "HYBRID_SHARD", "train.micro_batch_size": 2, "scaling.num_workers": 4,
             "train.max_steps": FAULT_STEPS, "checkpoint.every_n_steps": EVERY}
@@ -162,8 +164,16 @@ def test_a_node_killed_and_a_link_cut_resume_from_the_last_checkpoint_on_a_repla
     cfg = config(tmp_path, "netns", **hsdp)  # here the groups come from Ray's node ranks
     config_file = tmp_path / "netns.yaml"
     config_file.write_text(yaml.safe_dump(cfg.to_dict()))
-    log = (tmp_path / "driver.log").open("w")
-    driver = c.popen(0, sys.executable, "-m", "raysft", "train", str(config_file), stdout=log, stderr=log)
+    # the job's driver and workers get the suite's Ray Train and lease settings from the job's runtime env
+    settings = ("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAYSFT_LEASE_SETTLE_S")
+    runtime_env = {"excludes": [f"/{path}" for path in git_ignored()],
+                   "env_vars": {k: os.environ[k] for k in settings}}
+    submission_id = f"netns-{tmp_path.name}"
+    log = (tmp_path / "job.log").open("w")
+    started = time.time()
+    job = c.popen(0, str(RAY), "job", "submit", "--address", f"http://{c.ip(0)}:8265", "--submission-id",
+                  submission_id, "--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--",
+                  "python", "jobs/sft.py", str(config_file), stdout=log, stderr=log)
     try:
         wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 1, 300, f"step {EVERY + 1}")
         killed = c.kill_node(1)
@@ -183,12 +193,16 @@ def test_a_node_killed_and_a_link_cut_resume_from_the_last_checkpoint_on_a_repla
         wait_for(lambda: not any(running(p) for p in raylets), 120, "node 1's raylet to end once back")
         c.kill_node(1)  # what it leaves behind (its log monitor), by PID
         c.join(1)
-        assert driver.wait(timeout=600) == 0, (tmp_path / "driver.log").read_text()[-3000:]
+        assert job.wait(timeout=600) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
+        if job.poll() is None:
+            job.kill()
+            job.wait()
         log.close()
+    assert f"Job '{submission_id}' succeeded" in ANSI.sub("", (tmp_path / "job.log").read_text())
+    # the job's workers, on each node: 2 on node 0 for each of the 3 worker groups; 2 on node 1 for each group
+    # (its first Ray node, killed; the first replacement, cut off; the second replacement, to the end)
+    assert all(len(c.actor_logs(node, "RayTrainWorker", started)) >= 6 for node in (0, 1))
     assert len(raylets) == 1  # the replacement's, when the link went down
     killed_row = recovery(cfg.run_dir, kill_time, "node's processes killed (network namespaces)",
                           "SIGKILL to every process in node 1's namespace; a replacement node joins", EVERY)
@@ -200,6 +214,9 @@ def test_a_node_killed_and_a_link_cut_resume_from_the_last_checkpoint_on_a_repla
     assert [m["world_size"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [4, 4]
     ref_losses, ref_weights = ref
     assert final_losses(cfg.run_dir) == ref_losses
+    # the checkpoints the run keeps, complete, on the storage the nodes share (written after the two resumes)
+    assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*") if p.is_dir()) == \
+        [f"checkpoint_{step:08d}" for step in range(EVERY, FAULT_STEPS + 1, EVERY)][-cfg.checkpoint.keep:]
     weights = load_file(cfg.run_dir / f"checkpoint_{FAULT_STEPS:08d}" / "model.safetensors")
     assert weights.keys() == ref_weights.keys()
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
