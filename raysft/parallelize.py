@@ -24,7 +24,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from raysft.config import ConfigError, ParallelConfig, parallel_layout
+from raysft.config import ConfigError, ParallelConfig, parallel_layout, sequence_layout
 from raysft.model import decoder_layer_classes
 from raysft.sequence_parallel import apply_sequence_parallel
 
@@ -52,22 +52,10 @@ class MeshShape:
 
 def mesh_shape(cfg: ParallelConfig, node_ranks: Sequence[int]) -> MeshShape:
     """The mesh for `cfg.sharding` and `cfg.sequence_parallel`, given every worker's node rank in world-rank order
-    (Ray groups each node's workers under consecutive ranks). Raises ConfigError before any model is built."""
+    (Ray groups each node's workers under consecutive ranks), checked by raysft.config's parallel_layout and
+    sequence_layout. Raises ConfigError before any model is built."""
     fixed = parallel_layout(cfg, len(node_ranks))
-    base = MeshShape(*(fixed or _replicas_and_workers_per_node(node_ranks)))
-    n = cfg.sequence_parallel
-    if n == 1:
-        return base
-    if cfg.sharding == "NO_SHARD":
-        if base.replicate % n:
-            raise ConfigError(f"config key 'parallel.sequence_parallel': {n} does not divide the world size "
-                              f"{base.replicate}")
-        return MeshShape(base.replicate // n, 1, n)
-    if base.shard % n:
-        raise ConfigError(f"config key 'parallel.sequence_parallel': {n} does not divide the shard group of "
-                          f"{base.shard} workers ({cfg.sharding}; a sequence group stays inside a shard group, "
-                          "inside a node)")
-    return MeshShape(base.replicate, base.shard // n, n)
+    return MeshShape(*(fixed or sequence_layout(cfg, *_replicas_and_workers_per_node(node_ranks))))
 
 
 def _replicas_and_workers_per_node(node_ranks: Sequence[int]) -> tuple[int, int]:

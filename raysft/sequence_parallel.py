@@ -59,21 +59,15 @@ class SequenceShard:
 
 
 def check_sequence_parallel(cfg: TrainConfig, hf_config: PretrainedConfig) -> None:
-    """ConfigError, on the driver, for a layout sequence parallelism cannot run: N must divide every worker count
-    (elastic ones included) and the model's attention heads; the row must be packed with varlen attention (SDPA
-    would build its mask from a worker's slice, not the whole row) and the loss chunked (it takes labels already
-    shifted across the slices). KV heads need not divide N: they are repeated up to a multiple of it."""
-    n, s = cfg.parallel.sequence_parallel, cfg.scaling
+    """ConfigError, on the driver, for what sequence parallelism cannot run beyond its layout (N dividing every
+    worker count and the shard group: raysft.config's parallel_layout): the model's attention heads must divide by
+    N; the row must be packed with varlen attention (SDPA would build its mask from a worker's slice, not the whole
+    row) and the loss chunked (it takes labels already shifted across the slices). KV heads need not divide N: they
+    are repeated up to a multiple of it."""
+    n = cfg.parallel.sequence_parallel
     key = "config key 'parallel.sequence_parallel'"
-    if n < 1:
-        raise ConfigError(f"{key}: must be >= 1 (1: off), got {n}")
     if n == 1:
         return
-    for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):
-        if workers % n:
-            raise ConfigError(f"{key}: {n} does not divide {workers} workers (scaling.num_workers="
-                              f"{s.num_workers}{f', min_workers={s.min_workers}' if s.min_workers else ''}): each "
-                              "sequence group is N workers")
     if not cfg.data.packing or cfg.model.attn_implementation != VARLEN:
         raise ConfigError(f"{key}: needs data.packing: true and model.attn_implementation: {VARLEN} (got packing="
                           f"{cfg.data.packing}, {cfg.model.attn_implementation!r}): attention sees whole rows "

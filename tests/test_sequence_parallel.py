@@ -28,11 +28,15 @@ EVAL_PATHS = f"[{TEST_DATA / 'fastchat' / 'dummy_conversation.json'}]"
 # (run name, overrides): demo-tiny has 4 heads and 2 KV heads, so N=4 repeats each KV head; rows of 2 packed
 # samples of up to 96 tokens, so a worker's share (a quarter or a half of the row) is shorter than a sample and
 # samples straddle the split
+# sp4-ac-batch2: N=4 on 4 workers is one data-parallel group, so a global batch of one micro-batch (2) is a step;
+# sp2-bf16: bf16 compute, against the fp32 reference at bf16's tolerance
 VARIANTS = [
-    ("sp4-ac", {"parallel.sequence_parallel": 4, "parallel.activation_checkpointing": "full"}),
+    ("sp4-ac-batch2", {"parallel.sequence_parallel": 4, "parallel.activation_checkpointing": "full",
+                       "train.global_batch_size": 2}),
     ("sp2-noshard-eval", {"parallel.sequence_parallel": 2, "parallel.sharding": "NO_SHARD",
                           "data.eval_paths": EVAL_PATHS, "train.eval_every_n_steps": STEPS}),
     ("sp2-lora", {"parallel.sequence_parallel": 2, "model.lora.r": 4}),
+    ("sp2-bf16", {"parallel.sequence_parallel": 2, "parallel.mixed_precision": "bf16"}),
 ]
 
 
@@ -75,8 +79,12 @@ def _eval_loss(cfg: TrainConfig, weights: dict, eval_store) -> float:
                            reduction="sum").item() / int(dataset.num_loss_tokens.sum())
 
 
+def _losses(tmp_path, name: str) -> list[float]:
+    return [m["loss"] for m in read_metrics(tmp_path / "runs" / name) if "loss" in m]
+
+
 def _assert_matches(tmp_path, name: str, ref_losses: list[float], ref_weights: dict) -> None:
-    losses = [m["loss"] for m in read_metrics(tmp_path / "runs" / name) if "loss" in m]
+    losses = _losses(tmp_path, name)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} losses: {m}")
     weights = load_file(tmp_path / f"{name}.safetensors")
     assert weights.keys() == ref_weights.keys()
@@ -88,8 +96,9 @@ def _assert_matches(tmp_path, name: str, ref_losses: list[float], ref_weights: d
 
 
 def test_sequence_parallel_matches_a_single_process_reference(tmp_path, gloo_pool4):
-    """N=2 and N=4, with activation checkpointing, NO_SHARD's replicated mesh, eval, LoRA, and a run stopped at
-    step 2 under N=4 and resumed under N=2 from its sharded checkpoint: the one-process run's losses and weights."""
+    """N=2 and N=4, with activation checkpointing, NO_SHARD's replicated mesh, eval, LoRA, a global batch of one
+    micro-batch per data-parallel group, and a run stopped at step 2 under N=4 and resumed under N=2 from its sharded
+    checkpoint: the one-process run's losses and weights. bf16 under N=2: the fp32 losses within bf16's rounding."""
     base = _config(tmp_path, "base")
     tokenizer = load_tokenizer(base.model, base.data.chat_template)
     store = prepare_store(base.data, tokenizer, base.store_dir).path
@@ -103,8 +112,15 @@ def test_sequence_parallel_matches_a_single_process_reference(tmp_path, gloo_poo
 
     padded = {"data.packing": "false", "model.attn_implementation": "sdpa"}  # the reference: padded, SDPA
     ref_losses, ref_weights = reference(_config(tmp_path, "ref", **padded), store)
-    for name in ("sp4-ac", "sp2-noshard-eval", "sp4-then-sp2"):
+    for name in ("sp2-noshard-eval", "sp4-then-sp2"):
         _assert_matches(tmp_path, name, ref_losses, ref_weights)
+    batch2 = {**padded, "train.global_batch_size": 2, "scaling.num_workers": 1}  # the reference is one process
+    _assert_matches(tmp_path, "sp4-ac-batch2", *reference(_config(tmp_path, "ref-batch2", **batch2), store))
+    # bf16 keeps 8 bits of mantissa (a relative rounding of 2^-8 per operation); fp32 master weights keep the
+    # steps from drifting further. The losses differ from fp32's (bf16 did compute) by less than 1%.
+    bf16 = _losses(tmp_path, "sp2-bf16")
+    torch.testing.assert_close(bf16, ref_losses, rtol=1e-2, atol=0, msg=lambda m: f"sp2-bf16 losses: {m}")
+    assert max(abs(a - b) for a, b in zip(bf16, ref_losses)) > 1e-4
     lora_losses, lora_weights = reference(_config(tmp_path, "ref-lora", **padded, **{"model.lora.r": 4}), store)
     _assert_matches(tmp_path, "sp2-lora", lora_losses, lora_weights)
 
@@ -115,9 +131,9 @@ def test_sequence_parallel_matches_a_single_process_reference(tmp_path, gloo_poo
     assert resumed == [2]
     # every sample's tokens counted once per step, not once per worker of a sequence group
     dataset = TokenizedDataset(store)
-    sampler = GlobalBatchSampler(len(dataset), 16, DataCursor(seed=base.train.seed))
+    sampler = GlobalBatchSampler(len(dataset), 2, DataCursor(seed=base.train.seed))
     tokens = [int(dataset.num_tokens[sampler.next_batch()].sum()) for _ in range(STEPS)]
-    assert [m["tokens"] for m in read_metrics(tmp_path / "runs" / "sp4-ac") if "tokens" in m] == tokens
+    assert [m["tokens"] for m in read_metrics(tmp_path / "runs" / "sp4-ac-batch2") if "tokens" in m] == tokens
 
 
 def test_split_batch_gives_each_token_and_label_to_one_worker(tmp_path):
@@ -181,14 +197,35 @@ def test_mesh_carves_the_sequence_dimension_out_of_the_shard_group():
      "the model has 4 attention heads, which 3 does not divide"),
     ({"parallel.sequence_parallel": 4, "scaling.num_workers": 4, "scaling.min_workers": 2,
       "train.global_batch_size": 48}, "4 does not divide 2 workers"),
+    ({"parallel.sequence_parallel": 4, "scaling.num_workers": 8, "parallel.sharding": "HYBRID_SHARD",
+      "parallel.hsdp_shard_size": 2, "train.global_batch_size": 16}, "4 does not divide the shard group of 2"),
     ({"parallel.sequence_parallel": 2, "model.attn_implementation": "sdpa"}, "only varlen takes"),
     ({"parallel.sequence_parallel": 2, "train.loss_chunk_tokens": 0}, "needs train.loss_chunk_tokens > 0"),
     ({"parallel.sequence_parallel": 0}, "must be >= 1"),
+    ({"parallel.sequence_parallel": 2, "scaling.num_workers": 4, "train.micro_batch_size": 2,
+      "train.global_batch_size": 6},
+     r"micro_batch_size × data-parallel groups \(4 workers / 2 = 2\) = 2 × 2 = 4"),
+    ({"parallel.sequence_parallel": 2, "scaling.num_workers": 4, "train.micro_batch_tokens": 512,
+      "train.global_batch_size": 3}, r"multiple of the data-parallel groups \(4 workers / 2 = 2\)"),
 ])
 def test_layouts_sequence_parallelism_cannot_run_are_refused_on_the_driver(tmp_path, sets, message):
-    cfg = tiny_config(tmp_path, **{**SP, **sets})
+    """Loading the configuration checks the layout (raysft.config.parallel_layout, for every elastic worker count)
+    and the batch; check_sequence_parallel what needs the model's config."""
     with pytest.raises(ConfigError, match=message):
+        cfg = tiny_config(tmp_path, **{**SP, **sets})
         check_sequence_parallel(cfg, load_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data.chat_template)))
+
+
+@pytest.mark.parametrize("sets", [
+    {"parallel.sequence_parallel": 4, "train.global_batch_size": 2},
+    {"parallel.sequence_parallel": 2, "train.global_batch_size": 4},
+    {"parallel.sequence_parallel": 4, "train.micro_batch_tokens": 512, "train.global_batch_size": 1},
+])
+def test_the_global_batch_divides_over_data_parallel_groups_not_workers(tmp_path, sets):
+    """4 workers in groups of N take a step's samples as 4 / N data-parallel groups: a global batch of one
+    micro-batch per group is accepted."""
+    cfg = tiny_config(tmp_path, **{**SP, "scaling.num_workers": 4, "train.micro_batch_size": 2, **sets})
+    check_sequence_parallel(cfg, load_model_config(cfg.model, load_tokenizer(cfg.model, cfg.data.chat_template)))
 
 
 def test_raysft_train_names_the_key_before_anything_starts(tmp_path):

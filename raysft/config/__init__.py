@@ -9,7 +9,7 @@ Modules, by role (each imports only those above it in this list):
             the checks: load_config and config_from_dict are the only ways in
 """
 
-from raysft.config.checks import data_sources, parallel_layout
+from raysft.config.checks import data_sources, parallel_layout, sequence_layout
 from raysft.config.load import config_from_dict, load_config
 from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
@@ -32,5 +32,5 @@ from raysft.config.sections import (
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
     "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
-    "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown",
+    "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown", "sequence_layout",
 ]

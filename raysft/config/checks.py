@@ -105,6 +105,8 @@ def check_data(d: DataConfig) -> None:
 
 def check_parallel(p: ParallelConfig) -> None:
     """What needs no worker count; the layout is checked for each (parallel_layout)."""
+    _require(p.sequence_parallel >= 1, "parallel.sequence_parallel",
+             f"must be >= 1 (1: off), got {p.sequence_parallel}")
     _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
     ac = p.activation_checkpointing
     _require(ac in ("none", "full") or (ac.isdigit() and int(ac) > 0), "parallel.activation_checkpointing",
@@ -131,7 +133,8 @@ def check_metrics(m: MetricsConfig) -> None:
 
 
 def _validate_batch(cfg: TrainConfig) -> None:
-    """The batch against the data layout and every worker count Ray may pick (scaling.min_workers: elastic)."""
+    """The batch against the data layout and every worker count Ray may pick (scaling.min_workers: elastic): a
+    step's samples are dealt over the data-parallel groups, world size / parallel.sequence_parallel of them."""
     t, s, d = cfg.train, cfg.scaling, cfg.data
     if t.micro_batch_tokens:
         _require(d.packing, "train.micro_batch_tokens", "needs data.packing: true (padded batches are cut by samples)")
@@ -139,19 +142,22 @@ def _validate_batch(cfg: TrainConfig) -> None:
                  f"{t.micro_batch_tokens} is less than data.max_seq_len={d.max_seq_len}")
     _require(cfg.model.attn_implementation != "varlen" or d.packing, "model.attn_implementation",
              "'varlen' needs data.packing: true (it takes the sample boundaries of packed rows)")
+    n = cfg.parallel.sequence_parallel
     for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
-        per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * workers
+        parallel_layout(cfg.parallel, workers)
+        groups = workers // n  # the data-parallel groups: the N workers of a sequence group take the same samples
+        per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * groups
+        takers = f"workers ({workers})" if n == 1 else f"data-parallel groups ({workers} workers / {n} = {groups})"
         _require(
             t.global_batch_size > 0 and t.global_batch_size % per_step == 0,
             "train.global_batch_size",
-            (f"{t.global_batch_size} must be a positive multiple of the workers ({workers}): with "
-             "train.micro_batch_tokens every worker takes as many samples" if t.micro_batch_tokens else
-             f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × workers "
-             f"= {t.micro_batch_size} × {workers} = {per_step}")
+            (f"{t.global_batch_size} must be a positive multiple of the {takers}: with train.micro_batch_tokens "
+             "every one takes as many samples" if t.micro_batch_tokens else
+             f"{t.global_batch_size} must be a positive multiple of train.micro_batch_size × {takers} "
+             f"= {t.micro_batch_size} × {groups} = {per_step}")
             + (f" (scaling.min_workers={s.min_workers}: every worker count up to {s.num_workers} must divide it)"
                if s.min_workers else ""),
         )
-        parallel_layout(cfg.parallel, workers)
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
@@ -226,15 +232,18 @@ def _validate_lora(lora: LoraConfig) -> None:
              "LoRA needs peft, which is not installed: pip install 'raysft[lora]' (or set model.lora.r: 0)")
 
 
-def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int] | None:
-    """The (replicate, shard) sizes that the configuration fixes for `num_workers` workers, checked: the one place
-    the layout is validated, on the driver for every worker count and in the workers for the mesh
-    (raysft.parallelize.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes."""
-    shard = p.hsdp_shard_size
+def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int, int] | None:
+    """The (replicate, shard, sequence) sizes that the configuration fixes for `num_workers` workers, checked: the
+    one place the layout is validated, on the driver for every worker count and in the workers for the mesh
+    (raysft.parallelize.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes
+    (then `sequence_layout` carves the sequence dimension out of them)."""
+    shard, n = p.hsdp_shard_size, p.sequence_parallel
     _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
+    _require(num_workers % n == 0, "parallel.sequence_parallel",
+             f"{n} does not divide {num_workers} workers: each sequence group is N workers")
     if p.sharding != "HYBRID_SHARD":
         _require(shard == 0, "parallel.hsdp_shard_size", f"applies to HYBRID_SHARD only (sharding is {p.sharding})")
-        return (num_workers, 1) if p.sharding == "NO_SHARD" else (1, num_workers)
+        return sequence_layout(p, *((num_workers, 1) if p.sharding == "NO_SHARD" else (1, num_workers)))
     _require(num_workers >= 4, "parallel.sharding",
              f"HYBRID_SHARD needs at least 4 workers (2 replicas of a shard group of 2 or more), got "
              f"scaling.num_workers={num_workers}; use FULL_SHARD")
@@ -245,7 +254,21 @@ def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int] | No
     _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
              f"shard-group size {shard} of {num_workers} workers leaves "
              f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
-    return num_workers // shard, shard
+    return sequence_layout(p, num_workers // shard, shard)
+
+
+def sequence_layout(p: ParallelConfig, replicate: int, shard: int) -> tuple[int, int, int]:
+    """(replicate, shard, sequence): the sequence groups of parallel.sequence_parallel consecutive workers carved
+    out of the shard group, which lies inside a node (out of the replicas for NO_SHARD, whose shard group is one
+    worker)."""
+    n = p.sequence_parallel
+    if p.sharding == "NO_SHARD":
+        _require(replicate % n == 0, "parallel.sequence_parallel", f"{n} does not divide {replicate} workers")
+        return replicate // n, 1, n
+    _require(shard % n == 0, "parallel.sequence_parallel",
+             f"{n} does not divide the shard group of {shard} workers ({p.sharding}; a sequence group stays inside a "
+             "shard group, inside a node)")
+    return replicate, shard // n, n
 
 
 def check_hsdp_shard_size_fits_nodes(p: ParallelConfig, num_workers: int, workers_per_node: list[int]) -> None:
