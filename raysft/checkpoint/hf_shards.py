@@ -6,7 +6,7 @@ way. What fits one group is one `{stem}.safetensors` and no index, the layout of
 before the files were split, which therefore still loads and exports.
 
 SHARD_BYTES is transformers' own default for save_pretrained (5 GiB), so a 70B model's 280 GB of fp32 weights
-is 57 files rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save
+is some 53 files rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save
 gathers one tensor at a time whatever file it goes into (raysft.checkpoint.full).
 """
 
