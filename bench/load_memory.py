@@ -7,7 +7,9 @@ in fresh processes (FULL_SHARD over both), so every VmHWM is the leg's own:
 - `load rank0`: rank 0 builds the whole model with from_pretrained in fp32 and broadcasts it (model.broadcast_from_rank0);
 - `load slices`: every rank reads its own slices, a safe_open + get_slice loop (raysft.hf_weights, what training uses);
 - `load dcp`: the same slices through torch's HuggingFaceStorageReader and dcp.load, to compare the two readers;
-- `init`: a from-scratch initialization as load_initial_weights does it;
+- `init rank0`: a from-scratch model built whole by rank 0 and broadcast (model.broadcast_from_rank0 without
+  model.path: the way every rank got its from-scratch weights before the seeded initialization);
+- `init`: a from-scratch initialization as load_initial_weights does it (each rank, one module at a time);
 - `save whole`: one full checkpoint of weights and AdamW state, the whole state gathered onto rank 0 first (what
   raysft.checkpoint.full.save does with checkpoint.async, and did for every full save before issue 27);
 - `save streamed`: the same checkpoint, one tensor gathered and written at a time (a synchronous full save);
@@ -33,7 +35,7 @@ from pathlib import Path
 
 from common import MiB, PeakSampler, save_results
 
-LEGS = ["load rank0", "load slices", "load dcp", "init", "save whole", "save streamed", "resume rank0",
+LEGS = ["load rank0", "load slices", "load dcp", "init rank0", "init", "save whole", "save streamed", "resume rank0",
         "resume slices"]
 
 
@@ -91,7 +93,7 @@ def _leg(rank: int, world: int, work: str, leg: str, results) -> None:
     from raysft.model_files import weight_files
 
     model_dir, ckpt = Path(work) / "model", Path(work) / "checkpoint"
-    model, cfg, config = _build(str(model_dir), pretrained=leg != "init")
+    model, cfg, config = _build(str(model_dir), pretrained=not leg.startswith("init"))
     objs = _training_objects(model, config) if leg.startswith(("save", "resume")) else None
     if leg.startswith("resume"):
         for state in objs.optimizer.state.values():  # what the checkpoint must bring back
@@ -102,7 +104,7 @@ def _leg(rank: int, world: int, work: str, leg: str, results) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
     start = time.perf_counter()
     with PeakSampler(lambda: _status_kib("RssAnon") * 1024) as anon:
-        if leg == "load rank0":
+        if leg in ("load rank0", "init rank0"):
             broadcast_from_rank0(model, cfg, config, seed=0)
         elif leg == "load slices":
             read_local_slices(model.state_dict(keep_vars=True), tensor_files(weight_files(model_dir)))

@@ -1,7 +1,7 @@
 """Turning a checkpoint (full or sharded) into a Hugging Face model directory for AutoModelForCausalLM.
 
 Weights are streamed: tensors are read one safetensors shard at a time (at most `max_shard_bytes` in memory), from
-the full checkpoint's model.safetensors or from the DCP shards of a sharded one, so exporting never needs the
+the full checkpoint's model files or from the DCP shards of a sharded one, so exporting never needs the
 whole model in one process.
 """
 
@@ -20,7 +20,6 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raysft.checkpoint import (
-    MODEL_FILE,
     TRAINING_FILES,
     CheckpointError,
     incomplete_reason,
@@ -28,15 +27,16 @@ from raysft.checkpoint import (
     read_index,
     read_trainer_state,
 )
+from raysft.checkpoint import hf_shards
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
 from raysft.data.labels import stop_token_ids
 from raysft.lora_export import merged_weights, write_adapter
 from raysft.prelaunch import RUN_FILE
 from raysft.storage import Location, built_then_renamed, location, native
 
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = hf_shards.index_name("model")
 EXPORT_FILE = "raysft_export.json"  # marks a directory raysft exported: which checkpoint, which step
-DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' own default for save_pretrained
+DEFAULT_SHARD_BYTES = hf_shards.SHARD_BYTES  # transformers' own default for save_pretrained
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,7 +50,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     (`<|im_end|>`, `<|eot_id|>`, ...) as well as at EOS, so `generate` ends where an answer ends.
 
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
-    there piece by piece (not its optimizer state), a full one's model.safetensors is downloaded to a temporary
+    there piece by piece (not its optimizer state), a full one's model files are downloaded to a temporary
     directory first.
     A LoRA checkpoint (raysft.lora_export) exports as a peft adapter directory, or with `merge` as a full model
     with the adapters merged into the base.
@@ -71,9 +71,10 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     check_export_target(out, overwrite, ckpt)
     with built_then_renamed(out) as tmp:  # an existing `out` was checked above: an earlier export
         for name in ckpt.files():  # config, generation config, tokenizer: whatever is not weights or training state
-            if "/" not in name and name not in TRAINING_FILES and name != MODEL_FILE and not _is_dcp_file(name):
+            if ("/" not in name and name not in TRAINING_FILES and not hf_shards.is_layout_file(name)
+                    and not _is_dcp_file(name)):
                 (ckpt / name).download(tmp / name)
-        with local_copy(ckpt, (MODEL_FILE,)) if mode == "full" else contextlib.nullcontext() as local:
+        with local_copy(ckpt, _is_model_file) if mode == "full" else contextlib.nullcontext() as local:
             weights = _FullWeights(local) if mode == "full" else _ShardedWeights(ckpt)
             if lora and not merge:
                 write_adapter(weights, lora, tmp, DTYPES[dtype])
@@ -118,18 +119,28 @@ def check_export_target(out_dir: str | os.PathLike, overwrite: bool | Literal["e
                           "(pass overwrite=True / --force to replace it)")
 
 
+def _is_model_file(name: str) -> bool:
+    return hf_shards.is_layout_file(name) and name.startswith("model")
+
+
 class _FullWeights:
-    """Tensors of a full checkpoint's model.safetensors, read lazily."""
+    """Tensors of a full checkpoint's model files (one, or several and their index), read lazily."""
 
     def __init__(self, ckpt: Path):
-        self.path = ckpt / MODEL_FILE
-        with safe_open(self.path, framework="pt") as f:
-            self.sizes = {name: _nbytes(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
-            self.floating = {name: f.get_slice(name).get_dtype() in ("F64", "F32", "F16", "BF16") for name in f.keys()}  # noqa: SIM118
+        self.files = hf_shards.tensor_map(ckpt, "model")
+        self.sizes, self.floating = {}, {}
+        for path in dict.fromkeys(self.files.values()):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    self.sizes[name] = _nbytes(f.get_slice(name))
+                    self.floating[name] = f.get_slice(name).get_dtype() in ("F64", "F32", "F16", "BF16")
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
-        with safe_open(self.path, framework="pt") as f:
-            return {name: f.get_tensor(name) for name in names}
+        tensors = {}
+        for name in names:
+            with safe_open(self.files[name], framework="pt") as f:
+                tensors[name] = f.get_tensor(name)
+        return tensors
 
 
 class _ShardedWeights:
@@ -155,27 +166,16 @@ def _write_shards(weights: _FullWeights | _ShardedWeights, out: Path, max_shard_
     at a time (floating-point tensors cast to dtype), and name and index them the way save_pretrained does."""
     sizes = {name: nbytes * dtype.itemsize // 4 if weights.floating[name] else nbytes
              for name, nbytes in weights.sizes.items()}  # training's floating-point tensors are fp32
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in sizes.items():
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
+    groups = hf_shards.group(sizes, max_shard_bytes)
     if not groups[0]:
         raise CheckpointError("the checkpoint holds no model weights")
-    names = [MODEL_FILE] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    names = hf_shards.file_names("model", len(groups))
     for group, file_name in zip(groups, names, strict=True):
         tensors = weights.load(group)
         save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
                   out / file_name, metadata={"format": "pt"})
         del tensors
-    if len(groups) > 1:
-        weight_map = {name: file_name for group, file_name in zip(groups, names, strict=True) for name in group}
-        (out / INDEX_FILE).write_text(json.dumps(
-            {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2))
+    hf_shards.write_index(out, "model", groups, names, sum(sizes.values()))
 
 
 def _set_config_dtype(out: Path, dtype: torch.dtype) -> None:

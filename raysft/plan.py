@@ -127,8 +127,8 @@ class Plan:
     early_backward: float
     end_of_backward: float
     checkpoint_bytes: dict[str, float]  # per mode: the whole checkpoint
-    save_host_bytes: dict[str, float]  # per mode: host memory of the rank that saves the most
-    init_host_bytes: float  # host memory of the rank that builds the initial weights, on top of its shards
+    save_host_bytes: dict[str, float]  # per mode: host memory of the rank that saves the most, beyond training's
+    init_host_bytes: float  # host memory of a rank building the initial weights, on top of its shards
     host_offload_bytes: float  # per worker, with parallel.cpu_offload: its shards on the host
 
     @property
@@ -172,8 +172,13 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
     saved = 4 * (shape.trainable if cfg.model.lora.r else shape.params)  # LoRA: the adapters only
     state = saved + _ADAMW_BYTES * shape.trainable
     checkpoint = {"full": state, "sharded": state}
-    save_host = {"full": state, "sharded": state / s}  # full: rank 0 gathers it all; sharded: each its shards
-    init_host = 4 * shape.params if cfg.model.path else 4 * shape.largest_module
+    # full: rank 0 gathers one tensor at a time and writes it (async: all of it first, the snapshot training goes
+    # on from); sharded: each rank its shards
+    one_tensor = 4 * (shape.largest_module if not cfg.model.lora.r else shape.trainable)
+    save_host = {"full": state if cfg.checkpoint.async_save else one_tensor, "sharded": state / s}
+    # model.path: each rank reads its slices from the files, one tensor's slice at a time; from scratch: each
+    # rank builds one module at a time in full and keeps its slices
+    init_host = 4 * shape.largest_module / s if cfg.model.path else 4 * shape.largest_module
     return Plan(shape, topology, s, tokens, terms, early, end, checkpoint, save_host, init_host,
                 shards + offloaded if cfg.parallel.cpu_offload else 0.0)
 
@@ -209,8 +214,11 @@ def render(cfg: TrainConfig, result: Plan) -> str:
         lines.append(f"  {mode:<8} {result.checkpoint_bytes[mode] / size:9.2f} "
                      f"{result.save_host_bytes[mode] / size:9.2f}{chosen}")
     if cfg.checkpoint.mode == "auto":
-        lines.append("  auto: full while 4 x the full row's host memory is available on rank 0, else sharded")
-    source = "rank 0 loads model.path in fp32" if cfg.model.path else "each rank, one module at a time (seeded)"
+        lines.append("  auto: full while 4 x the checkpoint's size is available on rank 0, else sharded")
+    if not cfg.checkpoint.async_save:
+        lines.append("  full: one tensor at a time on rank 0 (checkpoint.async gathers the whole state first)")
+    source = ("each rank reads its slices of model.path, one tensor at a time" if cfg.model.path
+              else "each rank, one module at a time (seeded)")
     lines += ["", f"initial weights, host memory on top of the shards: {result.init_host_bytes / size:.2f} {unit} "
                   f"({source})"]
     return "\n".join(lines)

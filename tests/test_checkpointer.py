@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import run_config
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from transformers import AutoModelForCausalLM
 
 import raysft
@@ -71,10 +71,10 @@ def _async_saves(ctx, cfg, store: Path, out: Path) -> tuple[str, str]:
 
     original = ckpt_module.write_safetensors
 
-    def failing_write(path, tensors, metadata=None):
+    def failing_write(path, tensors, metadata=None, only=None):
         if Path(path).name == "model.safetensors":
             raise OSError("No space left on device (injected)")
-        return original(path, tensors, metadata=metadata)
+        return original(path, tensors, metadata, only)
 
     if ctx.rank == 0:
         ckpt_module.write_safetensors = failing_write
@@ -147,3 +147,102 @@ def test_safetensors_written_from_memory_read_back_by_safetensors_with_the_hash_
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
     assert digest == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+
+
+def _full_state(trainer) -> dict[str, object]:
+    """The whole model and optimizer state, flat by name (every rank gathers; rank 0 holds it, the others nothing)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    flat = {f"model/{k}": v for k, v in get_model_state_dict(trainer.model, options=options).items()}
+    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
+    for fqn, state in optim.get("state", {}).items():
+        flat.update({f"optim/{fqn}/{k}": v for k, v in state.items()})
+    flat["param_groups"] = optim.get("param_groups")
+    return flat
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k] for k, v in a.items())
+
+
+def _split_full_saves(ctx, cfg, store: Path, out: Path) -> tuple[bool, bool, str]:
+    """A full checkpoint saved in files of at most 256 KiB and one saved in a single file (the layout of every
+    earlier full checkpoint) each resume to the state that was saved; an index that puts a tensor in another file
+    is refused."""
+    import raysft.checkpoint.hf_shards as hf_shards
+
+    trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+    checkpointer = trainer.checkpointer
+    checkpointer.mode = "full"
+    trainer.model.train()
+    saved = {}
+    for step, shard_bytes in ((2, 2**18), (3, hf_shards.SHARD_BYTES)):
+        while trainer.state.step < step:
+            metrics = trainer.train_step()
+        saved[step] = _full_state(trainer)
+        if ctx.rank == 0:
+            save_file({k.removeprefix("model/"): v.contiguous() for k, v in saved[step].items()
+                       if k.startswith("model/")}, out / f"expected-{step}.st")
+        default, hf_shards.SHARD_BYTES = hf_shards.SHARD_BYTES, shard_bytes
+        try:
+            checkpointer.save(trainer.state, metrics)
+            checkpointer.finish()
+        finally:
+            hf_shards.SHARD_BYTES = default
+    trainer.train_step()  # the state moves on
+    resumed = {}
+    for step in saved:
+        checkpointer.load(cfg.run_dir / f"checkpoint_{step:08d}")
+        resumed[step] = _same(_full_state(trainer), saved[step])
+    misplaced = out / "misplaced"
+    if ctx.rank == 0:
+        shutil.copytree(cfg.run_dir / "checkpoint_00000002", misplaced)
+        index = json.loads((misplaced / INDEX_FILE).read_text())
+        first, last = next(iter(index["weight_map"])), list(index["weight_map"])[-1]
+        index["weight_map"][first] = index["weight_map"][last]
+        (misplaced / INDEX_FILE).write_text(json.dumps(index))
+    dist.barrier()
+    try:
+        checkpointer.load(misplaced)
+        refused = "loaded"
+    except CheckpointError as e:
+        refused = str(e)
+    return resumed[2], resumed[3], refused
+
+
+def test_a_full_checkpoint_in_files_with_an_index_resumes_exports_and_loads_in_transformers(tmp_path, gloo_pool):
+    """The model and optimizer files of a full checkpoint cut into groups (model-0000i-of-0000n.safetensors and
+    its index, as HF writes a large model; optimizer likewise): every rank resumes its slices through the index
+    to the state that was saved, transformers loads the directory as it is, export and chat read it, a file
+    missing makes it incomplete; a single-file one (the earlier layout) resumes and exports as before."""
+    from raysft.chat import ChatModel
+
+    cfg = run_config(tmp_path, "split", **{"checkpoint.mode": "full"})
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    cfg.run_dir.mkdir(parents=True)
+    outcomes = gloo_pool.run(_split_full_saves, cfg, store, tmp_path)
+    assert [o[:2] for o in outcomes] == [(True, True)] * 2
+    assert outcomes[0][2].startswith(f"{tmp_path / 'misplaced' / INDEX_FILE}: tensor "), outcomes[0][2]
+    assert "is not where the index says" in outcomes[0][2]
+    assert outcomes[1][2].startswith(f"{tmp_path / 'misplaced'}: rank 0 could not read the full checkpoint: ")
+    split, single = cfg.run_dir / "checkpoint_00000002", cfg.run_dir / "checkpoint_00000003"
+    names = {p.name for p in split.iterdir()}
+    for stem in ("model", "optimizer"):
+        files = json.loads((split / f"{stem}.safetensors.index.json").read_text())["weight_map"].values()
+        assert len(set(files)) > 2 and set(files) <= names and f"{stem}.safetensors" not in names
+        assert all((split / f).stat().st_size <= 2**18 + 2**16 for f in set(files))
+    assert {"model.safetensors", "optimizer.safetensors"} <= {p.name for p in single.iterdir()}
+    assert not any(p.name.endswith(".index.json") for p in single.iterdir())
+    for ckpt, step in ((split, 2), (single, 3)):
+        expected = load_file(tmp_path / f"expected-{step}.st")
+        loaded = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+        exported = raysft.export(ckpt, tmp_path / f"hf-{step}")
+        assert not any(p.name.startswith("optimizer") for p in exported.iterdir())
+        weights = load_file(exported / "model.safetensors")
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+    chat = ChatModel.load(split)
+    assert all(torch.equal(chat.model.state_dict()[k], v) for k, v in load_file(tmp_path / "expected-2.st").items())
+    shard = sorted(split.glob("optimizer-*.safetensors"))[1]
+    shard.unlink()
+    assert incomplete_reason(split) == f"{shard.name} is missing"

@@ -91,3 +91,22 @@ def test_hybrid_shard_without_a_node_count_is_a_config_error_naming_the_key():
     out = cli_in_process("plan", *hybrid)
     assert out.returncode == 2 and "config key 'parallel.sharding': HYBRID_SHARD over 4 workers on 1 node" in out.stderr
     assert "shard group of 2" in cli_in_process("plan", *hybrid, "--nodes", "2").stdout
+
+
+
+def test_host_memory_of_the_initial_weights_and_a_full_save_is_one_tensor_unless_async():
+    """No rank holds the whole model: a pretrained model is read as each rank's slices (one tensor's slice at a
+    time), a from-scratch one built a module at a time, a full checkpoint gathered a tensor at a time onto rank 0;
+    only checkpoint.async gathers the whole state (12 bytes per parameter) first."""
+    small = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1000)
+    for pretrained in (False, True):
+        for asynchronous in (False, True):
+            cfg = load_config(None, [f"model.path={'/models/llama' if pretrained else ''}",
+                                     "model.tokenizer=builtin:demo", f"checkpoint.async={str(asynchronous).lower()}"])
+            shape = model_shape(cfg, small)
+            result = plan(cfg, shape, Topology(8, 1))
+            largest = 4 * shape.largest_module
+            assert result.init_host_bytes == (largest / 8 if pretrained else largest)
+            assert result.save_host_bytes["full"] == (12 * shape.params if asynchronous else largest)
+            assert result.save_host_bytes["sharded"] == 12 * shape.params / 8

@@ -6,6 +6,7 @@ Modules, by role:
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
   full          an HF model directory (model.safetensors) plus the optimizer state, gathered a tensor at a time
                 onto rank 0 and written by it; resumed from each rank's slices
+  hf_shards     a full checkpoint's files of about 5 GiB and their index, as HF writes a large model
   sharded       every rank writes its own DCP shards; loads reshard to any topology
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
   state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors

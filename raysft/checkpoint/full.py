@@ -1,10 +1,12 @@
 """The full layout: whole tensors in plain files, so the checkpoint directory is a Hugging Face model directory
 that transformers (and any safetensors reader) loads as it is:
 
-    config.json, model.safetensors, tokenizer files      the model
-    optimizer.safetensors, optimizer.json                AdamW state by parameter name, and the param groups
+    config.json, model*.safetensors, tokenizer files     the model
+    optimizer*.safetensors, optimizer.json               AdamW state by parameter name, and the param groups
 
-Saving streams: each tensor is gathered whole, one at a time, and rank 0 writes it into its place in the file
+each in files of at most about 5 GiB with an index, as HF writes large models (raysft.checkpoint.hf_shards).
+
+Saving streams: each tensor is gathered whole, one at a time, and rank 0 writes it into its place in its file
 before the next is gathered, so no rank holds more than its shards and one tensor (the safetensors header, all
 shapes and dtypes, is known before any gather). With checkpoint.async the whole state is gathered onto rank 0
 first, the snapshot that lets training go on while it is written.
@@ -19,13 +21,12 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -34,8 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from raysft.checkpoint import hf_shards
 from raysft.checkpoint.background import background, run_now
-from raysft.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, HashingWriter, read_manifest
+from raysft.checkpoint.manifest import HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
 from raysft.checkpoint.trainable import check_adapter_names, state_dict_options
 from raysft.collectives import all_ranks, from_rank0
@@ -63,8 +65,8 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     optimizer_json = json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars})
 
     def write() -> dict[str, str]:
-        hashes = {MODEL_FILE: write_safetensors(out_dir / MODEL_FILE, model, metadata={"format": "pt"}),
-                  OPTIMIZER_FILE: write_safetensors(out_dir / OPTIMIZER_FILE, tensors)}
+        hashes = {**write_files(out_dir, "model", model, metadata={"format": "pt"}),
+                  **write_files(out_dir, "optimizer", tensors)}
         (out_dir / OPTIMIZER_META_FILE).write_text(optimizer_json)
         return hashes
 
@@ -142,8 +144,8 @@ def _save_streamed(out_dir: Path, objs: TrainingObjects) -> Future:
 
     def write() -> dict[str, str]:
         try:
-            hashes = {MODEL_FILE: write_safetensors(out_dir / MODEL_FILE, model, metadata={"format": "pt"})}
-            hashes[OPTIMIZER_FILE] = write_safetensors(out_dir / OPTIMIZER_FILE, optimizer)
+            hashes = {**write_files(out_dir, "model", model, metadata={"format": "pt"}),
+                      **write_files(out_dir, "optimizer", optimizer)}
         finally:  # the other ranks gather on: a write that failed must not leave them waiting
             model.finish()
             optimizer.finish()
@@ -165,14 +167,31 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.bool: "BOOL"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
-    """Write a safetensors file straight from the tensors' memory, hashing it on the way; returns its sha256.
-    safetensors' own save_file first copies every tensor into one bytes object: a second copy of the whole state
-    on rank 0, and a second pass over it. The file is read back with safetensors (load_file) as ever. Tensors
-    being gathered (_Gathering) are written one at a time, each as it arrives: the header needs only the shapes."""
+def write_files(out_dir: Path, stem: str, tensors: dict[str, torch.Tensor],
+                metadata: dict[str, str] | None = None) -> dict[str, str]:
+    """The tensors in files of about hf_shards.SHARD_BYTES, one after the other, and their index; returns
+    {file: sha256}."""
+    sizes = {name: t.numel() * t.dtype.itemsize for name, t in tensors.items()}
+    groups = hf_shards.group(sizes, hf_shards.SHARD_BYTES)
+    names = hf_shards.file_names(stem, len(groups))
+    hashes = {name: write_safetensors(out_dir / name, tensors, metadata, only=names_in)
+              for names_in, name in zip(groups, names, strict=True)}
+    hf_shards.write_index(out_dir, stem, groups, names, sum(sizes.values()))
+    return hashes
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+                      only: list[str] | None = None) -> str:
+    """Write a safetensors file straight from the tensors' memory (those named in `only`, in its order, or all),
+    hashing it on the way; returns its sha256. safetensors' own save_file first copies every tensor into one
+    bytes object: a second copy of the whole state on rank 0, and a second pass over it. The file is read back
+    with safetensors (load_file) as ever. Tensors being gathered (_Gathering) are written one at a time, each as
+    it arrives: the header needs only the shapes."""
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, t in tensors.items():
+    names = list(tensors) if only is None else only
+    for name in names:
+        t = tensors[name]
         size = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
@@ -182,7 +201,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         out = HashingWriter(f)
         out.write(len(encoded).to_bytes(8, "little"))
         out.write(encoded)
-        for name in tensors:
+        for name in names:
             t = tensors.whole(tensors[name]) if isinstance(tensors, _Gathering) else tensors[name]
             if t.numel():
                 out.write(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
@@ -196,7 +215,7 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     adapters of another model.lora) is raised on every rank: the others would otherwise wait in the broadcast
     below until the collective timeout."""
     ckpt = location(ckpt_dir)
-    per_rank = all_ranks(ckpt.local is not None and all((ckpt.local / n).is_file() for n in _FILES))
+    per_rank = all_ranks(ckpt.local is not None and _all_present(ckpt.local))
     model_sd: dict = {}
     optim_sd: dict = {}
     error = None
@@ -221,19 +240,20 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
 
 
-_FILES = (MODEL_FILE, OPTIMIZER_FILE, OPTIMIZER_META_FILE)
+def _all_present(ckpt_dir: Path) -> bool:
+    """Whether every file of the checkpoint's tensors is there to read (a bad index: no, rank 0 then names it)."""
+    try:
+        names = [n for stem in hf_shards.STEMS for n in hf_shards.listed_files(ckpt_dir, stem)]
+    except CheckpointError:
+        return False
+    return all((ckpt_dir / n).is_file() for n in [*names, OPTIMIZER_META_FILE])
 
 
 def _check_headers(ckpt_dir: Path, objs: TrainingObjects) -> None:
-    names = {}
-    for name in (MODEL_FILE, OPTIMIZER_FILE):
-        try:
-            with safe_open(ckpt_dir / name, framework="pt") as f:
-                names[name] = list(f.keys())  # noqa: SIM118 - safe_open has no __iter__
-        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
-            raise CheckpointError(f"{ckpt_dir / name}: cannot read: {e}") from e
+    model = hf_shards.tensor_map(ckpt_dir, "model")
+    hf_shards.tensor_map(ckpt_dir, "optimizer")
     if objs.lora:
-        check_adapter_names(objs.model, names[MODEL_FILE], str(ckpt_dir))
+        check_adapter_names(objs.model, list(model), str(ckpt_dir))
 
 
 def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
@@ -243,11 +263,10 @@ def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
     model_sd = get_model_state_dict(objs.model, options=options)
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
     tensors, _ = _split_optimizer_state(optim_sd)
-    files = {name: ckpt_dir / MODEL_FILE for name in model_sd}
-    files.update({alias: ckpt_dir / MODEL_FILE for alias in objs.aliases})
     try:
-        read_local_slices({k: v for k, v in model_sd.items() if k not in objs.aliases}, files)
-        read_local_slices(tensors, dict.fromkeys(tensors, ckpt_dir / OPTIMIZER_FILE))
+        read_local_slices({k: v for k, v in model_sd.items() if k not in objs.aliases},
+                          hf_shards.tensor_map(ckpt_dir, "model"))
+        read_local_slices(tensors, hf_shards.tensor_map(ckpt_dir, "optimizer"))
     except (WeightsFileError, OSError) as e:
         raise CheckpointError(f"{ckpt_dir}: {e}") from e
     for alias, canonical in objs.aliases.items():
@@ -264,8 +283,8 @@ def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
 
 def _read_whole(ckpt_dir: Path | Location, objs: TrainingObjects) -> tuple[dict, dict]:
     """Rank 0: the whole model and optimizer state, to broadcast."""
-    with local_copy(ckpt_dir, _FILES) as local:
-        model_sd = read_safetensors(local / MODEL_FILE)
+    with local_copy(ckpt_dir, _is_state_file) as local:
+        model_sd = _read_all(local, "model")
         for alias, canonical in objs.aliases.items():
             if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
                 model_sd[alias] = model_sd[canonical]
@@ -274,17 +293,29 @@ def _read_whole(ckpt_dir: Path | Location, objs: TrainingObjects) -> tuple[dict,
         return model_sd, _read_optimizer(local)
 
 
+def _is_state_file(name: str) -> bool:
+    return hf_shards.is_layout_file(name) or name == OPTIMIZER_META_FILE
+
+
+def _read_all(ckpt_dir: Path, stem: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a stem's files, whole."""
+    tensors = {}
+    for path in dict.fromkeys(hf_shards.tensor_map(ckpt_dir, stem).values()):
+        tensors.update(read_safetensors(path))
+    return tensors
+
+
 @contextlib.contextmanager
-def local_copy(ckpt_dir: Path | Location, names: tuple[str, ...]) -> Iterator[Path]:
-    """The checkpoint's directory if it is local; else a temporary download of `names`, each checked against its
-    sha256 in the manifest as it arrives, removed afterwards."""
+def local_copy(ckpt_dir: Path | Location, wanted: Callable[[str], bool]) -> Iterator[Path]:
+    """The checkpoint's directory if it is local; else a temporary download of the files of its manifest that are
+    `wanted`, each checked against its sha256 in the manifest as it arrives, removed afterwards."""
     ckpt = location(ckpt_dir)
     if ckpt.local is not None:
         yield ckpt.local
         return
     files = read_manifest(ckpt)
     with tempfile.TemporaryDirectory(prefix="raysft-full-ckpt-") as tmp:
-        for name in names:
+        for name in filter(wanted, files):
             if (ckpt / name).download(Path(tmp) / name) != files[name]["sha256"]:
                 raise CheckpointError(f"{ckpt / name} does not match its sha256 in the manifest")
         yield Path(tmp)
@@ -301,7 +332,7 @@ def _read_optimizer_meta(ckpt_dir: Path) -> dict:
 def _read_optimizer(ckpt_dir: Path) -> dict:
     meta = _read_optimizer_meta(ckpt_dir)
     state: dict[str, dict] = {}
-    for key, value in [*read_safetensors(ckpt_dir / OPTIMIZER_FILE).items(), *meta["scalars"].items()]:
+    for key, value in [*_read_all(ckpt_dir, "optimizer").items(), *meta["scalars"].items()]:
         fqn, _, name = key.rpartition("/")
         state.setdefault(fqn, {})[name] = value
     return {"state": state, "param_groups": meta["param_groups"]}

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
+from raysft.checkpoint.hf_shards import is_tensor_file
 from raysft.checkpoint.state import FORMAT_VERSION, CheckpointError
 from raysft.storage import Location, location
 
@@ -22,7 +23,7 @@ _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 def is_payload(name: str) -> bool:
     """The big files: weights and optimizer state (DCP shards or safetensors), all but the small ones."""
-    return name.endswith(".distcp") or name in (MODEL_FILE, OPTIMIZER_FILE)
+    return name.endswith(".distcp") or is_tensor_file(name)
 
 
 def read_manifest(ckpt_dir: Path | Location) -> dict:

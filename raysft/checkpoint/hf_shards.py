@@ -1,0 +1,118 @@
+"""A full checkpoint's tensors in files as Hugging Face writes a large model: groups of about SHARD_BYTES, each in
+`{stem}-0000i-of-0000n.safetensors`, and `{stem}.safetensors.index.json` naming the file of every tensor. The
+model has the stem "model" (transformers, vLLM and the safetensors tools read the directory as any HF model); the
+optimizer state has the stem "optimizer", the same layout, so a rank resuming reads its slices of both the same
+way. What fits one group is one `{stem}.safetensors` and no index, the layout of every full checkpoint written
+before the files were split, which therefore still loads and exports.
+
+SHARD_BYTES is transformers' own default for save_pretrained (5 GiB), so a 70B model's 280 GB of fp32 weights
+is some 53 files rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save
+gathers one tensor at a time whatever file it goes into (raysft.checkpoint.full).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from raysft.checkpoint.state import CheckpointError
+from raysft.hf_weights import tensor_files
+
+SHARD_BYTES = 5 * 2**30
+STEMS = ("model", "optimizer")
+_TENSOR_FILE = re.compile(r"(model|optimizer)(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def is_tensor_file(name: str) -> bool:
+    """A full checkpoint's weights or optimizer state file (not its index)."""
+    return _TENSOR_FILE.fullmatch(name) is not None
+
+
+def index_name(stem: str) -> str:
+    return f"{stem}.safetensors.index.json"
+
+
+def is_layout_file(name: str) -> bool:
+    """A tensor file or the index of one stem: what export and chat replace with their own."""
+    return is_tensor_file(name) or name in {index_name(s) for s in STEMS}
+
+
+def group(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names in their order, cut into groups of at most max_bytes (a bigger tensor gets a group of its own)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def file_names(stem: str, count: int) -> list[str]:
+    """save_pretrained's names: one file unnumbered, more numbered from 1 with the count."""
+    if count == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(out_dir: Path, stem: str, groups: list[list[str]], names: list[str], total_size: int) -> None:
+    """The index that maps each tensor to its file (none for a single file, as save_pretrained does)."""
+    if len(groups) > 1:
+        weight_map = {tensor: name for tensors, name in zip(groups, names, strict=True) for tensor in tensors}
+        (out_dir / index_name(stem)).write_text(json.dumps(
+            {"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
+
+
+def listed_files(ckpt_dir: Path, stem: str) -> list[str]:
+    """The files of one stem: those its index names (each a file name of this layout, none elsewhere), or the
+    single file. Raises CheckpointError naming the index."""
+    index = ckpt_dir / index_name(stem)
+    if not index.is_file():
+        return [f"{stem}.safetensors"]
+    weight_map = _weight_map(index)
+    names = list(dict.fromkeys(weight_map.values()))
+    bad = [n for n in names if not (isinstance(n, str) and is_tensor_file(n) and n.startswith(f"{stem}-"))]
+    if bad:
+        raise CheckpointError(f"{index}: weight_map names {bad[0]!r}, which is no {stem} file of a checkpoint")
+    return names
+
+
+def tensor_map(ckpt_dir: Path, stem: str) -> dict[str, Path]:
+    """{tensor: file} from the headers of the stem's files (only headers are read), which must agree with the
+    index: transformers follows the index, raysft the headers. Raises CheckpointError naming the file."""
+    files = [ckpt_dir / name for name in listed_files(ckpt_dir, stem)]
+    try:
+        found = tensor_files(files)
+    except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+        raise CheckpointError(f"{_failing(files)}: cannot read: {e}") from e
+    index = ckpt_dir / index_name(stem)
+    if index.is_file():
+        listed = {tensor: ckpt_dir / name for tensor, name in _weight_map(index).items()}
+        if listed != found:
+            wrong = sorted(set(listed.items()) ^ set(found.items()))[0][0]
+            raise CheckpointError(f"{index}: tensor {wrong!r} is not where the index says "
+                                  f"(index: {listed.get(wrong)}, files: {found.get(wrong)})")
+    return found
+
+
+def _weight_map(index: Path) -> dict:
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: unreadable index: {e}") from e
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: has no weight_map of tensor names to files")
+    return weight_map
+
+
+def _failing(files: list[Path]) -> Path:
+    """The first file whose header safetensors cannot read (for the message)."""
+    for path in files:
+        try:
+            tensor_files([path])
+        except Exception:  # noqa: BLE001 - the one to name
+            return path
+    return files[0]
