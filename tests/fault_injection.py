@@ -91,6 +91,7 @@ def _patch_checkpoint(module) -> None:
     import torch.distributed as dist
 
     import raysft.checkpoint.full as full
+    from raysft.checkpoint.manifest import MODEL_FILE
 
     start_save, write_safetensors = module.start_save, full.write_safetensors
 
@@ -99,10 +100,10 @@ def _patch_checkpoint(module) -> None:
         if rank0 and _peek("disk_full", state.step):
             _take("disk_full")
 
-            def full_disk(path, tensors, metadata=None):
-                if Path(path).name == full.MODEL_FILE:
+            def full_disk(path, tensors, metadata=None, only=None):
+                if Path(path).name == MODEL_FILE:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-                return write_safetensors(path, tensors, metadata=metadata)
+                return write_safetensors(path, tensors, metadata=metadata, only=only)
 
             full.write_safetensors = full_disk
             try:
