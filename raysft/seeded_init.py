@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from raysft.hf_weights import copy_local_slice
 
 INIT_SCHEME = "per-module-seed-1"  # bump when the values a (seed, name, shape) gives change
 
@@ -65,26 +66,5 @@ def init_parameters(model: nn.Module, seed: int, init_module: Callable[[str, nn.
             module._parameters.update(params)
         with torch.no_grad():
             for n, p in params.items():
-                local = p.to_local() if isinstance(p, DTensor) else p
-                piece = local_slice(full[n].data, p)
-                if piece.shape != local.shape:
-                    raise RuntimeError(f"{name}.{n}: the slice of the full {tuple(p.shape)} for placements "
-                                       f"{getattr(p, 'placements', None)} is {tuple(piece.shape)}, the local shard "
-                                       f"{tuple(local.shape)}")
-                local.copy_(piece)
+                copy_local_slice(p, full[n].data)
                 done.add(id(p))
-
-
-def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full` for `param`'s placements: DTensor's Shard splits a dimension as torch.chunk does
-    (the last pieces shorter, or empty when there are fewer rows than ranks); Replicate keeps it whole."""
-    if not isinstance(param, DTensor):
-        return full
-    mesh = param.device_mesh
-    for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard():
-            dim = placement.dim
-            pieces = torch.chunk(full, mesh.size(mesh_dim), dim=dim)
-            rank = mesh.get_local_rank(mesh_dim)
-            full = pieces[rank] if rank < len(pieces) else full.narrow(dim, 0, 0)
-    return full
