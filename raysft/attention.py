@@ -15,6 +15,9 @@ transformers builds no mask for an attention name it has no mask function for, s
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,10 +71,24 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (tokens, heads, dim)
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and not _varlen_takes("enable_gqa"):  # torch < 2.12: each query head gets its own key/value head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        options = {"enable_gqa": True} if gqa and _varlen_takes("enable_gqa") else {}
+        options.update({"window_size": (-1, 0)} if _varlen_takes("window_size") else {"is_causal": True})
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_length_k or max_length_q, scale=scaling,
-                          window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+                          **options)
         return out.unsqueeze(0), None
     return per_sample_sdpa(query, key, value, cu_seq_lens_q, scaling), None
+
+
+@functools.cache
+def _varlen_takes(argument: str) -> bool:
+    """Whether this torch's varlen_attn has `argument`: its keywords changed between releases (2.11 has no
+    enable_gqa; earlier ones said causal with is_causal rather than window_size)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return argument in inspect.signature(varlen_attn).parameters
 
 
 def per_sample_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
