@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raysft.checkpoint.background import chain, checkpoint_group, run_now
@@ -44,7 +44,7 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     if not asynchronous:
         return run_now(lambda: (dcp.save(state, storage_writer=writer), files.hashes)[1])
     # staged to CPU memory now, written by a background thread that synchronizes over its own gloo group
-    stager = _stager() if _STAGER_REUSABLE else None  # None: DCP's own, a fresh copy each save
+    stager = _stager() if _STAGER_REUSABLE or torch.cuda.is_available() else None  # None: a fresh copy each save
     written = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(), async_stager=stager)
     return chain([written], lambda: files.hashes)
 
@@ -72,10 +72,16 @@ _STAGER_REUSABLE = torch.__version__ >= "2.13"  # torch.__version__ is a TorchVe
 
 
 @functools.cache
-def _stager() -> DefaultStager:
+def _stager() -> DefaultStager | BlockingAsyncStager:
     """One stager for the process. It keeps the CPU copy it stages into (pinned on CUDA) from one save to the next,
     so the part of an async save that blocks training is a copy into memory that exists already, not a fresh
-    allocation of the whole state (on CPU, page faults cost more than the copy). The price: that copy stays."""
+    allocation of the whole state (on CPU, page faults cost more than the copy). The price: that copy stays.
+
+    Before torch 2.13, on a GPU: the older BlockingAsyncStager, which caches a pinned copy the same way. Without
+    it an async save on the H100 (torch 2.11) blocked 0.3-0.6 of a sync save's time, allocating the copy afresh
+    (docs/bench/h100-check-2.json). It pins, so it needs CUDA; a CPU run on such a torch keeps DCP's default."""
+    if not _STAGER_REUSABLE:
+        return BlockingAsyncStager(cache_staged_state_dict=True)
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=False))
 
