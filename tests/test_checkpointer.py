@@ -166,9 +166,10 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _split_full_saves(ctx, cfg, store: Path, out: Path) -> tuple[bool, bool, str]:
-    """A full checkpoint saved in files of at most 256 KiB and one saved in a single file (the layout of every
-    earlier full checkpoint) each resume to the state that was saved; an index that puts a tensor in another file
-    is refused."""
+    """A full checkpoint saved in files of at most 256 KiB, gathered in blocks of 4 KiB, and one saved in a single
+    file (the layout of every earlier full checkpoint), gathered a tensor at once, each resume to the state that was
+    saved; an index that puts a tensor in another file is refused."""
+    import raysft.checkpoint.full as full
     import raysft.checkpoint.hf_shards as hf_shards
 
     trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
@@ -176,19 +177,20 @@ def _split_full_saves(ctx, cfg, store: Path, out: Path) -> tuple[bool, bool, str
     checkpointer.mode = "full"
     trainer.model.train()
     saved = {}
-    for step, shard_bytes in ((2, 2**18), (3, hf_shards.SHARD_BYTES)):
+    for step, shard_bytes, gather_bytes in ((2, 2**18, 2**12), (3, hf_shards.SHARD_BYTES, full.GATHER_BYTES)):
         while trainer.state.step < step:
             metrics = trainer.train_step()
         saved[step] = _full_state(trainer)
         if ctx.rank == 0:
             save_file({k.removeprefix("model/"): v.contiguous() for k, v in saved[step].items()
                        if k.startswith("model/")}, out / f"expected-{step}.st")
-        default, hf_shards.SHARD_BYTES = hf_shards.SHARD_BYTES, shard_bytes
+        defaults = hf_shards.SHARD_BYTES, full.GATHER_BYTES
+        hf_shards.SHARD_BYTES, full.GATHER_BYTES = shard_bytes, gather_bytes
         try:
             checkpointer.save(trainer.state, metrics)
             checkpointer.finish()
         finally:
-            hf_shards.SHARD_BYTES = default
+            hf_shards.SHARD_BYTES, full.GATHER_BYTES = defaults
     trainer.train_step()  # the state moves on
     resumed = {}
     for step in saved:

@@ -45,6 +45,7 @@ from raysft.hf_weights import WeightsFileError, read_local_slices
 from raysft.storage import Location, location
 
 OPTIMIZER_META_FILE = "optimizer.json"
+GATHER_BYTES = 64 * 2**20  # a full save gathers a sharded tensor onto rank 0 in blocks of rows of about this size
 _GATHER = dict(full_state_dict=True, cpu_offload=True)  # StateDictOptions, made by state_dict_options(model)
 _BROADCAST = dict(full_state_dict=True, broadcast_from_rank0=True)
 
@@ -116,7 +117,9 @@ class _Gathering(dict):
 
 def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
     """FSDP2's layout (dim 0 split in equal padded pieces, the last ones short or empty) gathered straight into one
-    padded tensor on rank 0: no other rank allocates anything, rank 0 the tensor once."""
+    padded tensor on rank 0: no other rank allocates anything, rank 0 the tensor once. Gathered in blocks of rows
+    of about GATHER_BYTES: gloo receives a gather into a flat buffer of its own before copying it out, which for
+    the whole tensor at once doubled rank 0's peak (two copies of the largest tensor, the embedding)."""
     world = dist.get_world_size(t.device_mesh.get_group())
     piece = -(-t.shape[0] // world)  # FSDP2 pads dim 0 to a multiple of the world size
     local = t.to_local()
@@ -125,8 +128,12 @@ def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
         padded = local.new_zeros((piece, *t.shape[1:]))
         padded[:local.shape[0]] = local
     whole = local.new_empty((piece * world, *t.shape[1:])) if dist.get_rank() == 0 else None
-    dist.gather(padded, list(whole.chunk(world)) if whole is not None else None, dst=0,
-                group=t.device_mesh.get_group())
+    row_bytes = max(1, padded[0].numel() * padded.element_size()) if piece else 1
+    rows = max(1, GATHER_BYTES // row_bytes)
+    for a in range(0, piece, rows):
+        b = min(piece, a + rows)
+        blocks = [whole[r * piece + a:r * piece + b] for r in range(world)] if whole is not None else None
+        dist.gather(padded[a:b], blocks, dst=0, group=t.device_mesh.get_group())
     return whole[:t.shape[0]] if whole is not None else None
 
 
