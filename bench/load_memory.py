@@ -19,8 +19,10 @@ in fresh processes (FULL_SHARD over both), so every VmHWM is the leg's own:
 Per rank: the leg's time, VmHWM (peak resident memory of the process, reset at the leg's start), the peak of
 anonymous resident memory (sampled), and what the rank held before the leg (its shards: the training floor).
 
-    .venv/bin/python bench/load_memory.py --hidden 1024 --layers 8 --intermediate 4096 --vocab 32000 \\
-        --out docs/bench/cpu-load-memory.json
+    .venv/bin/python bench/load_memory.py --legs "load rank0,load slices,load dcp,init rank0,init" \\
+        --out docs/bench/cpu-load-memory-1.5b.json   # the 1.5B shape: its save legs need more than 24 GiB
+    .venv/bin/python bench/load_memory.py --hidden 1024 --layers 16 --intermediate 4096 --heads 16 --kv-heads 4 \\
+        --out docs/bench/cpu-load-memory-0.5b.json   # every leg (docs/BENCHMARKS.md, issue 27)
 """
 
 from __future__ import annotations
