@@ -16,6 +16,8 @@ R those outside the decoder layers (embeddings, final norm, LM head):
   activations  tokens x per layer  p (10 h + 3 i + 3 kv) per token and layer without checkpointing; a
                                    checkpointed layer keeps only its input (p h) and one is recomputed at a time
   logits       chunk x V (2p + 8)  the logits, fp32 log-softmax and both gradients, per loss chunk
+With parallel.sequence_parallel N, each row's tokens are split over N workers: activations and logits count
+tokens / N per worker, and NO_SHARD's shard group is the N workers (FSDP shards over the sequence group).
 The peak is the larger of two moments: early in backward (weights, optimizer, gathered, activations, the larger
 of logits and in-flight gradients) and at its end (weights, gradients, optimizer, gathered, in flight).
 """
@@ -88,7 +90,7 @@ def shard_group(cfg: TrainConfig, topology: Topology) -> int:
     """The shard group's size, as raysft.parallelize.mesh_shape lays it out (workers spread evenly on nodes)."""
     sharding, workers = cfg.parallel.sharding, topology.workers
     if sharding == "NO_SHARD":
-        return 1
+        return cfg.parallel.sequence_parallel  # FSDP's "shard" dimension is the sequence group (raysft.parallelize)
     if sharding != "HYBRID_SHARD":
         return workers
     if cfg.parallel.hsdp_shard_size:
@@ -150,7 +152,8 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
         gathered = p * (shape.params + 2 * layer)
     else:
         gathered = p * (shape.root_params + (2 if s > 1 else 1) * layer)
-    chunk = min(tokens, cfg.train.loss_chunk_tokens) if cfg.train.loss_chunk_tokens else tokens
+    local = math.ceil(tokens / cfg.parallel.sequence_parallel)  # this worker's part of the row
+    chunk = min(local, cfg.train.loss_chunk_tokens) if cfg.train.loss_chunk_tokens else local
     shards = 4 * shape.params / s
     terms = {
         "weights": 0.0 if cfg.parallel.cpu_offload else shards,
@@ -158,7 +161,7 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
         "optimizer": _ADAMW_BYTES * shape.trainable / s,
         "gathered": gathered,
         "in flight": shape.layer_trainable * (p + r),
-        "activations": activation_bytes(cfg, shape, tokens),
+        "activations": activation_bytes(cfg, shape, local),
         "logits": chunk * shape.vocab * (2 * p + _LOGITS_FP32_BYTES),
     }
     if cfg.parallel.cpu_offload:  # gradients and optimizer state live with the shards on the host
@@ -193,7 +196,9 @@ def render(cfg: TrainConfig, result: Plan) -> str:
         f"{sh.layer_params / 1e6:,.1f}M, {sh.root_params / 1e6:,.1f}M outside them",
         f"topology: {topo.workers} workers on {topo.nodes} node(s), {cfg.parallel.sharding}: shard group of "
         f"{result.shard_group}; {cfg.parallel.mixed_precision} compute, {cfg.parallel.reduce_dtype} reduce, "
-        f"activation checkpointing {cfg.parallel.activation_checkpointing}, micro-batch of {result.tokens:,} tokens",
+        f"activation checkpointing {cfg.parallel.activation_checkpointing}, micro-batch of {result.tokens:,} tokens"
+        + (f" split over sequence groups of {cfg.parallel.sequence_parallel}" if cfg.parallel.sequence_parallel > 1
+           else ""),
         "", f"per worker ({unit}):"]
     lines += [f"  {name:<17} {value / size:9.2f}" for name, value in result.terms.items()]
     lines += [f"  early in backward {result.early_backward / size:9.2f}",

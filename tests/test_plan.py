@@ -11,8 +11,8 @@ from transformers import LlamaConfig
 from raysft.config import load_config
 from raysft.data import prepare_store
 from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, rank_micro_batches
-from raysft.plan import Topology, model_shape, plan
 from raysft.data.tokenizer import load_tokenizer
+from raysft.plan import Topology, model_shape, plan
 
 MiB = 2**20
 BENCHES = sorted((REPO / "docs" / "bench").glob("cpu-memory*.json"))
@@ -110,3 +110,30 @@ def test_host_memory_of_the_initial_weights_and_a_full_save_is_one_tensor_unless
             assert result.init_host_bytes == (largest / 8 if pretrained else largest)
             assert result.save_host_bytes["full"] == (12 * shape.params if asynchronous else largest)
             assert result.save_host_bytes["sharded"] == 12 * shape.params / 8
+
+
+def test_sequence_parallel_divides_a_workers_activations_as_bench_sequence_parallel_measured():
+    """With parallel.sequence_parallel N, a worker holds 1/N of each row: its planned activations against N = 1's
+    are within 15% of the ratio bench/sequence_parallel.py measured at its longest row (where activations are
+    nearly all of what it counts), and NO_SHARD's shard group becomes the sequence group FSDP shards over."""
+    measured = json.loads((REPO / "docs" / "bench" / "cpu-sequence-parallel.json").read_text())
+    args, longest = measured["args"], max(measured["args"]["lengths"])
+    hidden = args["hidden"]
+    model = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                        num_hidden_layers=args["layers"], num_attention_heads=args["heads"],
+                        num_key_value_heads=args["kv_heads"], vocab_size=args["vocab"])
+    planned = {}
+    for n in (1, 2, 4):
+        cfg = load_config(None, ["model.tokenizer=builtin:demo", f"parallel.sequence_parallel={n}",
+                                 "scaling.num_workers=4", "data.packing=true", f"train.micro_batch_tokens={longest}"])
+        result = plan(cfg, model_shape(cfg, model), Topology(4, 1))
+        planned[n] = result.terms["activations"]
+        assert result.shard_group == 4  # FULL_SHARD: the sequence groups are carved out of it and folded back
+    rows = {r["n"]: r for r in measured["rows"] if r["length"] == longest}
+    for n in (2, 4):
+        ratio = planned[n] / planned[1]
+        assert abs(ratio / rows[n]["memory_vs_n1"] - 1) <= 0.15, (n, ratio, rows[n]["memory_vs_n1"])
+    no_shard = load_config(None, ["model.tokenizer=builtin:demo", "parallel.sharding=NO_SHARD",
+                                  "parallel.sequence_parallel=2", "scaling.num_workers=4"])
+    assert plan(no_shard, model_shape(no_shard, model), Topology(4, 1)).shard_group == 2
+
