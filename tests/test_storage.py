@@ -323,7 +323,8 @@ def s3_processes(s3, tmp_path_factory):
 
 def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp_path, prefix, s3_processes):
     """raysft.run on s3://: every rank uploads its files, rank 0 the manifest last; a relaunch resumes from the
-    bucket (sharded → full), and checkpoint.keep prunes there too."""
+    bucket (sharded → full, then from a full checkpoint in files with an index, which rank 0 downloads and
+    broadcasts), and checkpoint.keep prunes there too."""
     from raysft.run import launch
 
     sets = {"train.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep": 2, "run.storage_path": prefix,
@@ -331,10 +332,28 @@ def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp
     s3_processes.run(launch, tiny_config(tmp_path, **{**sets, "checkpoint.mode": "sharded",
                                                               "train.stop_at_step": 3}))
     cfg = tiny_config(tmp_path, **{**sets, "checkpoint.mode": "full"})
-    s3_processes.run(launch, cfg)
+    s3_processes.run(_launch_in_small_files, cfg)
     run = location(cfg.run_dir)
     assert [d.name for d in run.dirs("checkpoint_")] == ["checkpoint_00000003", "checkpoint_00000004"]
     assert incomplete_reason(run / "checkpoint_00000003") is None and incomplete_reason(run / "checkpoint_00000004") \
         is None
     assert {"__0_0.distcp", "__1_0.distcp"} <= set((run / "checkpoint_00000003").files())
-    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3]
+    split = set((run / "checkpoint_00000004").files())
+    assert {"model.safetensors.index.json", "optimizer.safetensors.index.json"} <= split, split
+    assert "model.safetensors" not in split
+    s3_processes.run(launch, tiny_config(tmp_path, **{**sets, "checkpoint.mode": "full", "train.max_steps": 5}))
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3, 4]
+    assert [d.name for d in run.dirs("checkpoint_")] == ["checkpoint_00000004", "checkpoint_00000005"]
+
+
+def _launch_in_small_files(ctx, cfg) -> dict:
+    """raysft.run's launch with full checkpoints cut into files of 256 KiB (HF's 5 GiB would keep a toy model in
+    one file): in the pool's processes, where the save runs."""
+    import raysft.checkpoint.hf_shards as hf_shards
+    from raysft.run import launch
+
+    default, hf_shards.SHARD_BYTES = hf_shards.SHARD_BYTES, 2**18
+    try:
+        return launch(ctx, cfg)
+    finally:
+        hf_shards.SHARD_BYTES = default
