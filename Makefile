@@ -21,15 +21,9 @@ $(BIN)/raysft: pyproject.toml
 demo: $(BIN)/raysft
 	$(BIN)/raysft train jobs/configs/demo.yaml --export runs/demo-model --prompt "What is the capital of France?"
 
-# Two pytest processes, each taking whole test files (module fixtures run once): on 2 cores the suite spends most
-# of its time waiting on Ray, process starts and collectives, so a second stream nearly halves it.
-# PYTEST_WORKERS=0 runs it in one process.
-PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
-
 test: $(BIN)/raysft
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # For a developer's loop: no Ray, no fault scenarios, no benchmark harnesses (tests marked slow). CI runs `make test`.
 test-fast: $(BIN)/raysft
-	$(BIN)/python -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
