@@ -198,35 +198,37 @@ def recovery(run_dir: Path, fault_time: float, fault: str, how: str, every: int 
     return row
 
 
-def test_a_worker_killed_mid_step_then_one_killed_mid_save_each_resume_from_the_last_checkpoint_used(
-        tmp_path, nodes, reference, cluster):
-    """Two faults in one run (one launch, one uninterrupted reference): a train worker SIGKILLed mid-step after
-    step 8 resumes from checkpoint 6; then rank 0 SIGKILLed inside the step-18 save, after writing its part and
-    before the manifest, resumes from checkpoint 12 (the half-written save never counted, and the relaunched
-    workers clear it). The run ends bit for bit the uninterrupted one."""
+def test_a_worker_killed_mid_step_is_restarted_from_the_last_checkpoint(tmp_path, nodes, reference, cluster):
     ref = reference(2)
     nodes()
     cfg = config(tmp_path, "sigkill")
     run = Background(cfg)
     wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
     os.kill(train_worker_pids()[-1], signal.SIGKILL)
-    step_fault = time.time()
-    wait_for(lambda: any(m.get("event") == "resume" for m in read_metrics(cfg.run_dir)), 300, "the first resume")
-    arm(cluster.faults, "pause_in_save", step=3 * EVERY)  # armed now: no save before the first fault can pause
+    fault_time = time.time()
+    result = run.join()
+    row = recovery(cfg.run_dir, fault_time, "worker killed mid-step", "SIGKILL to one train worker")
+    assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
+    assert_same_run(cfg, result, ref)
+
+
+def test_a_worker_killed_mid_save_leaves_no_checkpoint_that_is_used(tmp_path, nodes, reference, cluster):
+    ref = reference(2)
+    nodes()
+    arm(cluster.faults, "pause_in_save", step=2 * EVERY)
+    cfg = config(tmp_path, "midsave")
+    run = Background(cfg)
     paused = wait_for(lambda: (cluster.faults / "paused.json").is_file() and
                       json.loads((cluster.faults / "paused.json").read_text()), 300, "a save to pause")
     assert Path(paused["part"]).is_dir()  # rank 0 wrote its part; no manifest, not reported
     os.kill(paused["pid"], signal.SIGKILL)
-    save_fault = time.time()
+    fault_time = time.time()
     result = run.join()
-    row = recovery(cfg.run_dir, step_fault, "worker killed mid-step", "SIGKILL to one train worker")
-    assert row["resumed_from"] == EVERY and 0 <= row["steps_lost"] < EVERY + 2
-    row = recovery(cfg.run_dir, save_fault, "worker killed mid-save", "SIGKILL to rank 0 inside a checkpoint save")
-    assert row["resumed_from"] == 2 * EVERY and row["steps_lost"] == EVERY  # the step-18 save never counted
+    row = recovery(cfg.run_dir, fault_time, "worker killed mid-save", "SIGKILL to rank 0 inside a checkpoint save")
+    assert row["resumed_from"] == EVERY and row["steps_lost"] == EVERY  # the step-12 save never counted
     assert not Path(paused["part"]).exists()  # the relaunched workers cleared the dead save's part
     assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == \
-        ["checkpoint_00000018", "checkpoint_00000024"]  # keep=2 of 6, 12, 18 (saved again after resuming), 24
-    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [EVERY, 2 * EVERY]
+        ["checkpoint_00000018", "checkpoint_00000024"]  # keep=2 of 6, 12 (saved again after resuming), 18, 24
     assert_same_run(cfg, result, ref)
 
 
