@@ -95,12 +95,14 @@ def test_four_ranks_hybrid_and_full_shard_bf16_and_lora_base_bit_identical(pretr
 
 
 def test_no_rank_holds_the_whole_model_while_loading(pretrained, gloo_pool):
-    """Rank 0's resident memory rises by less than half the fp32 model while the weights arrive: today's way (a
-    full fp32 copy on rank 0) rises by more than the whole model."""
+    """No rank's resident memory rises by the whole fp32 model while the weights arrive: at most its own half (first
+    touched as the values land) and the pages of the slices it reads, under three quarters of the model (57% was
+    seen; below half only when the pool's process had that memory resident from an earlier test). Rank 0's old
+    way, a full fp32 copy beside its shards, rises by one and a half models."""
     full_bytes = sum(t.numel() * 4 for t in _reference(pretrained).values())
     results = gloo_pool.run(_load, str(pretrained), "FULL_SHARD", "fp32", 0)
     for rank, result in enumerate(results):
-        assert result["rise"] < full_bytes / 2, (f"rank {rank}: resident memory rose by {result['rise']} bytes "
+        assert result["rise"] < 0.75 * full_bytes, (f"rank {rank}: resident memory rose by {result['rise']} bytes "
                                                  f"loading a {full_bytes}-byte model")
 
 
