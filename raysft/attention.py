@@ -71,11 +71,12 @@ def varlen_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         from torch.nn.attention.varlen import varlen_attn
 
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (tokens, heads, dim)
-        gqa = q.shape[1] != k.shape[1]
-        if gqa and not _varlen_takes("enable_gqa"):  # torch < 2.12: each query head gets its own key/value head
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        options = {"enable_gqa": True} if gqa and _varlen_takes("enable_gqa") else {}
-        options.update({"window_size": (-1, 0)} if _varlen_takes("window_size") else {"is_causal": True})
+        options = {"window_size": (-1, 0)} if _varlen_takes("window_size") else {"is_causal": True}
+        if q.shape[1] != k.shape[1]:
+            if _varlen_takes("enable_gqa"):
+                options["enable_gqa"] = True
+            else:  # torch < 2.12: each query head gets its own key/value head
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_length_k or max_length_q, scale=scaling,
                           **options)
         return out.unsqueeze(0), None

@@ -44,8 +44,7 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     if not asynchronous:
         return run_now(lambda: (dcp.save(state, storage_writer=writer), files.hashes)[1])
     # staged to CPU memory now, written by a background thread that synchronizes over its own gloo group
-    stager = _stager() if _STAGER_REUSABLE or torch.cuda.is_available() else None  # None: a fresh copy each save
-    written = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(), async_stager=stager)
+    written = dcp.async_save(state, storage_writer=writer, process_group=checkpoint_group(), async_stager=_stager())
     return chain([written], lambda: files.hashes)
 
 
@@ -72,16 +71,17 @@ _STAGER_REUSABLE = torch.__version__ >= "2.13"  # torch.__version__ is a TorchVe
 
 
 @functools.cache
-def _stager() -> DefaultStager | BlockingAsyncStager:
+def _stager() -> DefaultStager | BlockingAsyncStager | None:
     """One stager for the process. It keeps the CPU copy it stages into (pinned on CUDA) from one save to the next,
     so the part of an async save that blocks training is a copy into memory that exists already, not a fresh
     allocation of the whole state (on CPU, page faults cost more than the copy). The price: that copy stays.
 
     Before torch 2.13, on a GPU: the older BlockingAsyncStager, which caches a pinned copy the same way. Without
     it an async save on the H100 (torch 2.11) blocked 0.3-0.6 of a sync save's time, allocating the copy afresh
-    (docs/bench/h100-check-2.json). It pins, so it needs CUDA; a CPU run on such a torch keeps DCP's default."""
+    (docs/bench/h100-check-2.json). It pins, so it needs CUDA; a CPU run on such a torch gets None: DCP's default,
+    a fresh copy each save."""
     if not _STAGER_REUSABLE:
-        return BlockingAsyncStager(cache_staged_state_dict=True)
+        return BlockingAsyncStager(cache_staged_state_dict=True) if torch.cuda.is_available() else None
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
                                         use_async_staging=False, use_non_blocking_copy=False))
 
