@@ -6,8 +6,8 @@ goodput: the training time of steps that checkpoint every 2 steps over the same 
     .venv/bin/python bench/checkpoint.py                    # 2 CPU workers, a ~75M-parameter LLaMA
     .venv/bin/python bench/checkpoint.py --gpu --workers 8 --hidden 2048 --layers 16
 
-Saves go through the production path: the Trainer's Checkpointer with raysft.launch's sink, so every rank writes
-straight into the run directory, rank 0 commits it, and it is registered with Ray (NO_UPLOAD). A save counts
+Saves go through the production path: the Trainer's Checkpointer with raysft.launch.ray_driver's sink, so every rank
+writes straight into the run directory, rank 0 commits it, and it is registered with Ray (NO_UPLOAD). A save counts
 until that registration returns: every file hashed (sha256) and flushed, the manifest written, the directory
 renamed into place, Ray told. Throughput is checkpoint bytes over the slowest rank's time; bytes written are the
 sum over ranks of /proc/self/io write_bytes during the save. Memory is the resident set's growth during the save,
@@ -45,8 +45,8 @@ def _measure(loop: dict) -> None:
 
     from raysft.checkpoint import checkpoint_dirs
     from raysft.config import config_from_dict
-    from raysft.ray_worker import ray_sink, ray_worker_context
-    from raysft.trainer import Trainer
+    from raysft.launch.ray_worker import ray_sink, ray_worker_context
+    from raysft.training.trainer import Trainer
 
     ctx = ray_worker_context()
     cfg = config_from_dict(loop["config"])

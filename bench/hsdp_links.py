@@ -45,8 +45,8 @@ def _measure(loop: dict) -> None:
 
     from raysft.checkpoint import DirectorySink
     from raysft.config import config_from_dict
-    from raysft.ray_worker import ray_worker_context
-    from raysft.trainer import Trainer
+    from raysft.launch.ray_worker import ray_worker_context
+    from raysft.training.trainer import Trainer
 
     ctx = ray_worker_context()
     cfg = config_from_dict(loop["config"])

@@ -1,4 +1,4 @@
-"""The seeded per-module initialization (raysft.seeded_init) against transformers' own from_config, in one process
+"""The seeded per-module initialization (raysft.model.seeded_init) against transformers' own from_config, in one process
 and one model, twice: every rank of a run does the former at once, where rank 0 alone did the latter.
 
     python bench/init_time.py [--hidden 1024 --layers 12 --vocab 32000]
@@ -12,7 +12,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from raysft.model import build_meta_model, init_from_seed, materialize
+from raysft.model.build import build_meta_model, init_from_seed, materialize
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ A LLaMA of Llama-3.2-1B's shape by default (untied head: about 1.5B parameters) 
 weights in sharded safetensors files with an index, as transformers writes them. Each leg runs on 2 gloo workers
 in fresh processes (FULL_SHARD over both), so every VmHWM is the leg's own:
 
-- `load rank0`: rank 0 builds the whole model with from_pretrained in fp32 and broadcasts it (model.broadcast_from_rank0);
-- `load slices`: every rank reads its own slices, a safe_open + get_slice loop (raysft.hf_weights, what training uses);
+- `load rank0`: rank 0 builds the whole model with from_pretrained in fp32 and broadcasts it
+  (model.broadcast_from_rank0);
+- `load slices`: every rank reads its own slices, a safe_open + get_slice loop (raysft.hf.weights, what training uses);
 - `load dcp`: the same slices through torch's HuggingFaceStorageReader and dcp.load, to compare the two readers;
 - `init rank0`: a from-scratch model built whole by rank 0 and broadcast (model.broadcast_from_rank0 without
   model.path: the way every rank got its from-scratch weights before the seeded initialization);
@@ -48,13 +49,12 @@ def _status_kib(field: str) -> int:
 def _build(model_dir: str, pretrained: bool):
     """The sharded, materialized model as the trainer builds it, and its config."""
     import torch
+    import torch.distributed as dist
     from transformers import AutoConfig
 
     from raysft.config import ModelConfig, ParallelConfig
-    from raysft.model import build_meta_model, materialize
-    from raysft.parallelize import build_mesh, mesh_shape, parallelize
-
-    import torch.distributed as dist
+    from raysft.model.build import build_meta_model, materialize
+    from raysft.parallel.fsdp import build_mesh, mesh_shape, parallelize
 
     config = AutoConfig.from_pretrained(model_dir)
     cfg = ModelConfig(path=model_dir if pretrained else "", config=model_dir)
@@ -90,9 +90,9 @@ def _leg(rank: int, world: int, work: str, leg: str, results) -> None:
     from torch.distributed.checkpoint import load as dcp_load
 
     from raysft.checkpoint import full
-    from raysft.hf_weights import read_local_slices, tensor_files
-    from raysft.model import broadcast_from_rank0, load_initial_weights
-    from raysft.model_files import weight_files
+    from raysft.hf.files import weight_files
+    from raysft.hf.weights import read_local_slices, tensor_files
+    from raysft.model.build import broadcast_from_rank0, load_initial_weights
 
     model_dir, ckpt = Path(work) / "model", Path(work) / "checkpoint"
     model, cfg, config = _build(str(model_dir), pretrained=not leg.startswith("init"))

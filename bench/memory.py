@@ -32,8 +32,8 @@ def _measure(loop: dict) -> None:
 
     from raysft.checkpoint import DirectorySink
     from raysft.config import config_from_dict
-    from raysft.ray_worker import ray_worker_context
-    from raysft.trainer import Trainer
+    from raysft.launch.ray_worker import ray_worker_context
+    from raysft.training.trainer import Trainer
 
     ctx = ray_worker_context()
     gpu = ctx.device.type == "cuda"
@@ -107,7 +107,7 @@ def adapter_params(setup: Setup, r: int) -> int:
     from transformers import AutoModelForCausalLM
 
     from raysft.config import LoraConfig
-    from raysft.lora import add_adapters
+    from raysft.model.lora import add_adapters
 
     with torch.device("meta"):
         model = add_adapters(AutoModelForCausalLM.from_config(setup.model_config), LoraConfig(r=r))

@@ -27,7 +27,7 @@ import json, sys, tempfile, time
 from pathlib import Path
 from raysft.config import DataConfig, ModelConfig
 from raysft.data import prepare_store
-from raysft.demo import DEMO_CHAT_TEMPLATE
+from raysft.data.demo import DEMO_CHAT_TEMPLATE
 from raysft.data.tokenizer import load_tokenizer
 import raysft
 data, template, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])

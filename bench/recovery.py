@@ -45,7 +45,7 @@ def train_worker_pids() -> list[int]:
 
 def measure(setup: Setup, mode: str, name: str, every: int) -> dict:
     import raysft
-    from raysft.metrics import read_metrics
+    from raysft.training.metrics import read_metrics
 
     # log_every_n_steps=1: a metrics row as each step ends (rows wait for a log step), which times the kill
     cfg = setup.config(f"run.name={name}", f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}",

@@ -59,8 +59,8 @@ class _SavedBytes:
 def _worker(rank: int, n: int, init: str, args: argparse.Namespace, out: mp.Queue) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from raysft.loss import install_chunked_loss
-    from raysft.sequence_parallel import SequenceShard, apply_sequence_parallel, split_batch
+    from raysft.model.loss import install_chunked_loss
+    from raysft.parallel.sequence import SequenceShard, apply_sequence_parallel, split_batch
 
     device = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
     if args.gpu:
@@ -112,7 +112,7 @@ def _worker(rank: int, n: int, init: str, args: argparse.Namespace, out: mp.Queu
 
 
 def _whole(batch: dict) -> dict:
-    from raysft.loss import loss_inputs
+    from raysft.model.loss import loss_inputs
 
     batch.update(loss_inputs(batch.pop("labels")))
     return batch

@@ -7,7 +7,7 @@ all on the same model, tokenized data and global batch, in one invocation.
         --seq-len 2048 --mixed-precision bf16 --micro-batch 16 --hf-micro-batch 4 --global-batch 64
 
 Variants (--variants, the first is the baseline of the ratios):
-  torchrun            raysft.trainer.Trainer under torchrun, no Ray (bench/torchrun_train.py)
+  torchrun            raysft.training.trainer.Trainer under torchrun, no Ray (bench/torchrun_train.py)
   raysft              raysft.train(): Ray Train, the same Trainer; batches padded to their longest sample, the
                       chunked loss (train.loss_chunk_tokens, the default)
   raysft-full-logits  the same with the loss from the model's full fp32 logits (train.loss_chunk_tokens=0)
@@ -59,14 +59,14 @@ SETS = {"torchrun": [], "raysft": [], "raysft-full-logits": ["train.loss_chunk_t
 
 def run_raysft(setup: Setup, cfg) -> list[dict]:
     import raysft
-    from raysft.metrics import read_metrics
+    from raysft.training.metrics import read_metrics
 
     raysft.train(cfg)
     return [m for m in read_metrics(cfg.run_dir) if "tokens" in m]
 
 
 def run_torchrun(setup: Setup, cfg, profile: Path | None = None) -> list[dict]:
-    from raysft.metrics import read_metrics
+    from raysft.training.metrics import read_metrics
 
     config_file = setup.work / f"{cfg.run.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from raysft.config import config_from_dict
-from raysft.run import end_distributed, init_distributed, prepare_on_rank0, run_trainer
-from raysft.signals import exit_process
-from raysft.trainer import Trainer
+from raysft.launch.signals import exit_process
+from raysft.launch.torchrun import end_distributed, init_distributed, prepare_on_rank0, run_trainer
+from raysft.training.trainer import Trainer
 
 
 def main() -> None:

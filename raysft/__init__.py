@@ -1,11 +1,12 @@
 """raysft: distributed supervised fine-tuning of LLaMA-style chat models with FSDP2 on Ray Train.
 
-Data path, one module each: config → data (tokenize to parquet) → dataloader → model → parallelize →
-trainer (the loop) → checkpointer → launch (Ray) or run (torchrun) → hf_export.
+A package per role, in the order data flows: config → data (tokenize to parquet, micro-batches) → model →
+parallel (the layout, FSDP2) → training (the loop) → checkpoint → launch (Ray, or torchrun) → hf (export); tools
+(plan, chat, report) around a run. docs/ARCHITECTURE.md draws the picture.
 """
 
 from raysft.config import TrainConfig, load_config
-from raysft.hf_export import export
+from raysft.hf.export import export
 
 __all__ = ["TrainConfig", "export", "load_config", "train"]
 
@@ -13,7 +14,7 @@ __all__ = ["TrainConfig", "export", "load_config", "train"]
 def __getattr__(name: str):
     """`raysft.train` imports Ray on first use: the worker run (raysft.run) and export work without it."""
     if name == "train":
-        from raysft.launch import train
+        from raysft.launch.ray_driver import train
 
         return train
     raise AttributeError(f"module 'raysft' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report, plan).
 
-Only `train` needs Ray: it reaches raysft.launch through `raysft.train`, which imports Ray on first use, so that
-`export`, `chat`, `report`, `plan` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
+Only `train` needs Ray: it reaches raysft.launch.ray_driver through `raysft.train`, which imports Ray on first use, so
+that `export`, `chat`, `report`, `plan` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import sys
 import transformers
 
 import raysft
-from raysft.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf_export import DEFAULT_SHARD_BYTES, check_export_target, export
-from raysft.metrics import METRICS_FILE, ProgressBar
-from raysft.model import load_model_config
-from raysft.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
-from raysft.report import draw, read_curves
-from raysft.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
+from raysft.hf.export import DEFAULT_SHARD_BYTES, check_export_target, export
+from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
+from raysft.model.build import load_model_config
 from raysft.storage import location
+from raysft.tools.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
+from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
+from raysft.tools.report import draw, read_curves
+from raysft.training.metrics import METRICS_FILE, ProgressBar
 
 
 def build_parser() -> argparse.ArgumentParser:

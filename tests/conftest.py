@@ -126,7 +126,7 @@ def run_config(tmp_path, name, **sets):
 
 
 def step_losses(run_dir) -> list[tuple[int, float]]:
-    from raysft.metrics import read_metrics
+    from raysft.training.metrics import read_metrics
 
     return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
 
@@ -262,7 +262,7 @@ def _gloo_worker(rank: int, world_size: int, init: str, tasks, results) -> None:
     # a rank that fails leaves the others in a collective: they give up after this instead of hanging the suite
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
-    from raysft.trainer import WorkerContext
+    from raysft.training.trainer import WorkerContext
 
     ctx = WorkerContext(rank, world_size, torch.device("cpu"))
     while (task := tasks.get()) is not None:

@@ -65,11 +65,11 @@ def _peek(name: str, step: int) -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches the Checkpointer's module and raysft.trainer as they are imported, before anything binds their
+    """Patches the Checkpointer's module and raysft.training.trainer as they are imported, before anything binds their
     names."""
 
     def find_spec(self, name, path, target=None):
-        if name not in ("raysft.checkpoint.checkpointer", "raysft.trainer"):
+        if name not in ("raysft.checkpoint.checkpointer", "raysft.training.trainer"):
             return None
         sys.meta_path.remove(self)
         try:

@@ -116,7 +116,7 @@ def test_cycles_finds_a_circle_and_names_it():
 def test_import_graph_reads_function_level_and_relative_imports():
     graph = import_graph()
     assert "raysft.checkpoint.checkpointer" in graph["raysft.checkpoint"]  # __init__'s exports
-    assert "raysft.config" in graph["raysft.trainer"]
+    assert "raysft.config" in graph["raysft.training.trainer"]
     assert len(graph) > 40 and sum(map(len, graph.values())) > 100  # it read the package, not a corner of it
 
 
@@ -155,3 +155,22 @@ def test_commands_without_a_cluster_do_not_import_ray(tmp_path):
     seen = json.loads(out.stdout.splitlines()[-1])
     assert seen == {"codes": {"report": 0, "prepare": 0}, "ray": []}, (seen, out.stderr[-3000:])
     assert (tmp_path / "report.png").is_file() and list((tmp_path / "runs" / "datasets").glob("*/manifest.json"))
+
+
+TOP_LEVEL = {"__init__.py", "__main__.py", "cli.py", "errors.py", "run.py"}  # the face, the CLI, the entry points
+
+
+def test_the_top_level_is_the_package_face_and_its_entry_points():
+    """`ls raysft/` is the architecture: every module but the package's face and its entry points lives in a role
+    package, so the top level does not drift back into thirty modules side by side."""
+    modules = {p.name for p in PACKAGE.glob("*.py")}
+    assert modules == TOP_LEVEL, f"modules outside a role package: {sorted(modules - TOP_LEVEL)}"
+    assert len(TOP_LEVEL) <= 6
+    for package in (p for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))
+                    and p.name != "assets"):
+        init = package / "__init__.py"
+        assert init.is_file(), f"{package} is no package"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        listed = {m.stem for m in package.glob("*.py")} - {"__init__"}
+        unnamed = sorted(m for m in listed if m not in doc)
+        assert not unnamed, f"{init}'s docstring names each module by role; it does not name {unnamed}"

@@ -18,12 +18,12 @@ from transformers import (
     Qwen2Config,
 )
 
-import raysft.attention  # noqa: F401  (registers "varlen")
+import raysft.model.attention  # noqa: F401  (registers "varlen")
 from raysft.config import ConfigError
 from raysft.data.dataloader import collate
 from raysft.data.tokenizer import load_tokenizer
-from raysft.loss import full_logits_loss_sum
-from raysft.prelaunch import check_model
+from raysft.launch.prelaunch import check_model
+from raysft.model.loss import full_logits_loss_sum
 
 
 def tiny_model(attn: str):

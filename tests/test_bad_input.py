@@ -7,10 +7,10 @@ import shutil
 import pytest
 
 from raysft.config import ConfigError, ModelConfig, load_config
+from raysft.data.demo import DEMO_TOKENIZER
 from raysft.data.readers import read_records
 from raysft.data.tokenizer import load_tokenizer
-from raysft.demo import DEMO_TOKENIZER
-from raysft.report import read_curves
+from raysft.tools.report import read_curves
 
 RECORDS = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "höla"}]},
            {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]

@@ -13,11 +13,11 @@ import pytest
 from conftest import REPO, cli_env, cli_in_process
 from conftest import run_cli as raysft
 
-from raysft.chat import ChatModel, Conversation, generate_answer
 from raysft.config import ModelConfig
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf_export import export
-from raysft.report import draw, read_curves
+from raysft.hf.export import export
+from raysft.tools.chat import ChatModel, Conversation, generate_answer
+from raysft.tools.report import draw, read_curves
 
 Q1, Q2 = "What is the capital of France?", "And of Spain?"
 TOKENS = "24"  # --max-new-tokens: enough to tell answers apart, cheap on 2 cores
@@ -28,7 +28,7 @@ def run(tmp_path_factory, gloo_pool):
     """A run of the demo config with a full checkpoint (step 6) and a sharded one (step 9), trained on two gloo
     processes (the CLI's own training is tested in tests/test_cli.py)."""
     from raysft.config import load_config
-    from raysft.run import launch
+    from raysft.launch.torchrun import launch
 
     root = tmp_path_factory.mktemp("chat")
     common = ["data.max_seq_len=96", "checkpoint.every_n_steps=3", "checkpoint.keep=3", f"run.storage_path={root}",

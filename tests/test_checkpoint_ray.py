@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import raysft
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError, incomplete_reason
-from raysft.metrics import read_metrics
+from raysft.training.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -31,7 +31,7 @@ def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tenso
 def uninterrupted(gloo_pool, tmp_path_factory):
     """The reference: 12 steps on 2 workers in one go, without Ray (raysft.run on gloo processes): the same Trainer
     and collectives, so a run through Ray must match it float for float."""
-    from raysft.run import launch
+    from raysft.launch.torchrun import launch
 
     tmp = tmp_path_factory.mktemp("reference")
     cfg = run_config(tmp, "reference", **{"checkpoint.mode": "auto"})

@@ -25,9 +25,9 @@ from raysft.checkpoint import (
 )
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf_export import INDEX_FILE
-from raysft.run import launch
-from raysft.trainer import Trainer
+from raysft.hf.export import INDEX_FILE
+from raysft.launch.torchrun import launch
+from raysft.training.trainer import Trainer
 
 
 def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, gloo_pool):
@@ -170,7 +170,7 @@ def _split_full_saves(ctx, cfg, store: Path, out: Path) -> tuple[bool, bool, str
     file (the layout of every earlier full checkpoint), gathered a tensor at once, each resume to the state that was
     saved; an index that puts a tensor in another file is refused."""
     import raysft.checkpoint.full as full
-    import raysft.checkpoint.hf_shards as hf_shards
+    import raysft.hf.shards as hf_shards
 
     trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     checkpointer = trainer.checkpointer
@@ -217,7 +217,7 @@ def test_a_full_checkpoint_in_files_with_an_index_resumes_exports_and_loads_in_t
     its index, as HF writes a large model; optimizer likewise): every rank resumes its slices through the index
     to the state that was saved, transformers loads the directory as it is, export and chat read it, a file
     missing makes it incomplete; a single-file one (the earlier layout) resumes and exports as before."""
-    from raysft.chat import ChatModel
+    from raysft.tools.chat import ChatModel
 
     cfg = run_config(tmp_path, "split", **{"checkpoint.mode": "full"})
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path

@@ -92,7 +92,7 @@ def test_a_second_launch_of_a_run_held_by_a_live_one_is_refused_before_anything_
     import json
     import socket
 
-    from raysft.lease import LEASE_FILE, _start_time
+    from raysft.launch.lease import LEASE_FILE, _start_time
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:

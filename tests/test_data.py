@@ -18,9 +18,9 @@ from raysft.data import (
     store_files,
 )
 from raysft.data.conversation import to_conversation
+from raysft.data.demo import DEMO_CONVERSATIONS
 from raysft.data.labels import label_conversation
 from raysft.data.tokenizer import VICUNA_SYSTEM, VICUNA_TEMPLATE, load_tokenizer, tokenizer_fingerprint
-from raysft.demo import DEMO_CONVERSATIONS
 
 FASTCHAT = TEST_DATA / "fastchat" / "dummy_conversation.json"  # 500 ShareGPT conversations from FastChat
 

@@ -20,8 +20,8 @@ from raysft.config import ConfigError, load_config
 from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
 from raysft.data.store import write_samples
 from raysft.data.tokenizer import load_tokenizer
-from raysft.evaluation import Evaluator
-from raysft.sequence_parallel import SequenceShard
+from raysft.parallel.sequence import SequenceShard
+from raysft.training.evaluation import Evaluator
 
 
 def test_eval_fraction_holds_the_same_records_out_every_time_and_never_trains_on_them(tmp_path):

@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 import raysft
 from raysft.checkpoint import CheckpointSaveError, checkpoint_dirs
 from raysft.config import ConfigError
-from raysft.launch import CannotPlaceWorkers
-from raysft.metrics import read_metrics
+from raysft.launch.ray_driver import CannotPlaceWorkers
+from raysft.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
 
@@ -91,7 +91,7 @@ def reference(tmp_path_factory, request):
     processes: the same Trainer and collectives give the same floats (tests/test_checkpoint_ray.py holds a Ray
     run to exactly that), and no Ray launch is spent on them. With shrink=(step, fewer): stopped at that step and
     resumed on fewer workers, the run an elastic run that lost workers there is held to."""
-    from raysft.run import launch
+    from raysft.launch.torchrun import launch
 
     runs = {}
 
@@ -361,7 +361,7 @@ def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_
     assert sorted(p.name for p in cfg.run_dir.rglob("*")) == before  # nothing written
 
     # --fresh starts the run over and keeps the old one aside (the same claim with or without Ray: raysft.run)
-    from raysft.run import launch
+    from raysft.launch.torchrun import launch
 
     gloo_pool.run(launch, config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), True)
     kept = list(cfg.run_dir.parent.glob("driver.replaced-*"))

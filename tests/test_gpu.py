@@ -8,10 +8,10 @@ import torch
 from test_loss import Samples
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from raysft.attention import per_sample_sdpa, varlen_attention_forward
 from raysft.data.dataloader import collate, to_device
-from raysft.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
-from raysft.trainer import use_deterministic_kernels
+from raysft.model.attention import per_sample_sdpa, varlen_attention_forward
+from raysft.model.loss import install_chunked_loss, loss_inputs, micro_batch_loss_sum
+from raysft.training.trainer import use_deterministic_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

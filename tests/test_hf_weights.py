@@ -1,4 +1,4 @@
-"""Pretrained weights read per rank (raysft.hf_weights through model.load_initial_weights): every rank's shards hold
+"""Pretrained weights read per rank (raysft.hf.weights through model.load_initial_weights): every rank's shards hold
 exactly from_pretrained's fp32 values, on 2 and 4 gloo processes and every sharding strategy, uneven shards and
 LoRA's base included, without rank 0 ever holding the whole model; a tied-weights model takes rank 0's way and
 says why."""
@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raysft.config import LoraConfig, ModelConfig, ParallelConfig
-from raysft.hf_weights import local_part
-from raysft.lora import add_adapters
-from raysft.model import build_meta_model, load_initial_weights, materialize
-from raysft.parallelize import build_mesh, mesh_shape, parallelize
+from raysft.hf.weights import local_part
+from raysft.model.build import build_meta_model, load_initial_weights, materialize
+from raysft.model.lora import add_adapters
+from raysft.parallel.fsdp import build_mesh, mesh_shape, parallelize
 
 SEED = 7
 # vocab and widths that no world size of 2 or 4 divides: uneven shards, and an empty one is possible

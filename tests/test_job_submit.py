@@ -173,7 +173,8 @@ def test_ray_job_submit_trains_on_both_nodes_and_needs_the_token(cluster, tmp_pa
     # What was uploaded: the sources, not the venv, the runs, .git or anything else git ignores; far below the
     # upload limit (512 MiB, Ray's gRPC message size).
     files = [p.relative_to(package) for p in package.rglob("*") if p.is_file()]
-    for needed in ("jobs/sft.py", "jobs/configs/demo.yaml", "raysft/launch.py", "raysft/assets/demo/tokenizer"):
+    for needed in ("jobs/sft.py", "jobs/configs/demo.yaml", "raysft/launch/ray_driver.py",
+                   "raysft/assets/demo/tokenizer"):
         assert any(str(f).startswith(needed) for f in files), needed
     assert not {f.parts[0] for f in files} & {".venv", "runs", ".git"}
     ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--stdin"], input="\n".join(map(str, files)),

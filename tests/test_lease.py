@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from raysft import lease as lease_module
-from raysft.lease import LEASE_FILE, RunInUse, RunLease, _start_time
+from raysft.launch import lease as lease_module
+from raysft.launch.lease import LEASE_FILE, RunInUse, RunLease, _start_time
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import raysft
-from raysft.chat import ChatModel
 from raysft.checkpoint import (
     STATE_FILE,
     DirectorySink,
@@ -24,13 +23,14 @@ from raysft.checkpoint import (
 from raysft.config import ConfigError, ModelConfig, config_from_dict, load_config
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.lora import is_adapter
-from raysft.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from raysft.metrics import read_metrics
-from raysft.model import build_full_model, load_model_config
-from raysft.run import launch, prepare_on_rank0, run_trainer
-from raysft.seeded_init import INIT_SCHEME
-from raysft.trainer import Trainer
+from raysft.hf.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from raysft.launch.torchrun import launch, prepare_on_rank0, run_trainer
+from raysft.model.build import build_full_model, load_model_config
+from raysft.model.lora import is_adapter
+from raysft.model.seeded_init import INIT_SCHEME
+from raysft.tools.chat import ChatModel
+from raysft.training.metrics import read_metrics
+from raysft.training.trainer import Trainer
 
 peft = pytest.importorskip("peft")
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.lora.target_modules": "[q_proj, v_proj, down_proj]",
@@ -232,8 +232,8 @@ def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_che
     an adapter the checkpoint lacks would otherwise keep its initial value without a word."""
     from raysft.checkpoint import CheckpointError
     from raysft.checkpoint.trainable import check_adapter_names
-    from raysft.lora import add_adapters
-    from raysft.model import build_meta_model
+    from raysft.model.build import build_meta_model
+    from raysft.model.lora import add_adapters
 
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj]"])
     hf_config = load_model_config(cfg.model, load_tokenizer(cfg.model, "auto"))
@@ -248,7 +248,7 @@ def test_loading_adapters_that_do_not_match_the_models_is_refused_naming_the_che
 
 
 def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
-    from raysft.prelaunch import check_model
+    from raysft.launch.prelaunch import check_model
 
     cfg = load_config(None, ["model.lora.r=4", "model.lora.target_modules=[q_proj, qkv_proj]"])
     check_model(cfg, load_tokenizer(cfg.model, "auto"))  # peft adapts the layers that match any name
@@ -292,7 +292,7 @@ def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_a
 
 
 def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_settings(tmp_path):
-    from raysft.prelaunch import claim_run_dir
+    from raysft.launch.prelaunch import claim_run_dir
 
     changes = [("r", 4, 0), ("r", 0, 4), ("r", 4, 8), ("alpha", 8, 16), ("dropout", 0.0, 0.1),
                ("target_modules", "[q_proj, v_proj, down_proj]", "[q_proj, v_proj]")]

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from raysft.data.dataloader import collate
-from raysft.loss import full_logits_loss_sum, install_chunked_loss, loss_inputs, micro_batch_loss_sum
+from raysft.model.loss import full_logits_loss_sum, install_chunked_loss, loss_inputs, micro_batch_loss_sum
 
 
 class Samples:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from raysft.metrics import (
+from raysft.training.metrics import (
     METRICS_FILE,
     MetricsLogger,
     ProgressBar,
@@ -75,7 +75,7 @@ def test_step_totals_wait_for_the_device_once_per_reduction(tmp_path):
 
     import torch.distributed as dist
 
-    from raysft.metrics import StepTotals
+    from raysft.training.metrics import StepTotals
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:

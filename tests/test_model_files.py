@@ -11,7 +11,7 @@ import pytest
 from conftest import cli_in_process, tiny_config
 
 from raysft.config import ConfigError, ModelConfig
-from raysft.model_files import ModelDirError
+from raysft.hf.files import ModelDirError
 
 MARKER = "ran.txt"  # what the directory's code writes when it is imported
 
@@ -20,7 +20,7 @@ MARKER = "ran.txt"  # what the directory's code writes when it is imported
 def model_dir(tmp_path_factory):
     """The demo model as a pretrained directory: config.json, model.safetensors and the tokenizer."""
     from raysft.data.tokenizer import load_tokenizer
-    from raysft.model import build_full_model, load_model_config
+    from raysft.model.build import build_full_model, load_model_config
 
     out = tmp_path_factory.mktemp("pretrained")
     tokenizer = load_tokenizer(ModelConfig())
@@ -109,7 +109,7 @@ def broken_copy(model_dir, tmp_path, fault):
 def test_a_damaged_or_crafted_model_directory_is_a_config_error_naming_the_file_before_the_data_is_read(
         tmp_path, model_dir, fault):
     """prepare_launch is the driver's work before Ray starts: the header bomb was a worker's traceback after."""
-    from raysft.prelaunch import prepare_launch
+    from raysft.launch.prelaunch import prepare_launch
 
     d = broken_copy(model_dir, tmp_path, fault)
     cfg = tiny_config(tmp_path, **{"model.path": str(d), "model.tokenizer": ""})
@@ -120,7 +120,7 @@ def test_a_damaged_or_crafted_model_directory_is_a_config_error_naming_the_file_
 
 
 def test_a_from_scratch_model_config_that_asks_for_code_is_refused(tmp_path, model_dir):
-    from raysft.prelaunch import prepare_launch
+    from raysft.launch.prelaunch import prepare_launch
 
     d = broken_copy(model_dir, tmp_path, model_code)
     with pytest.raises(ConfigError, match=f"config key 'model.config': {d}/{FAULTS[model_code]}"):
@@ -159,7 +159,7 @@ def test_raysft_train_on_a_header_bomb_exits_2_naming_the_file_before_ray_starts
 
 @pytest.mark.parametrize("fault", [header_bomb, cut_in_half], ids=lambda f: f.__name__)
 def test_chat_and_a_merged_lora_export_name_the_damaged_weights_file(tmp_path, model_dir, fault):
-    from raysft.lora_export import _SafetensorsDir
+    from raysft.hf.adapters import _SafetensorsDir
 
     d = broken_copy(model_dir, tmp_path, fault)
     chat = cli_in_process("chat", str(d), "--prompt", "hi")

@@ -31,10 +31,10 @@ import raysft
 from raysft.checkpoint import DirectorySink
 from raysft.config import ConfigError, config_from_dict
 from raysft.data import prepare_store
-from raysft.ray_worker import ray_worker_context
-from raysft.metrics import read_metrics
 from raysft.data.tokenizer import load_tokenizer
-from raysft.trainer import Trainer
+from raysft.launch.ray_worker import ray_worker_context
+from raysft.training.metrics import read_metrics
+from raysft.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
 

@@ -4,7 +4,7 @@ import pytest
 
 from raysft.config import ConfigError, ParallelConfig, load_config
 from raysft.config.checks import check_hsdp_shard_size_fits_nodes
-from raysft.parallelize import MeshShape, mesh_shape
+from raysft.parallel.fsdp import MeshShape, mesh_shape
 
 
 @pytest.mark.parametrize("sharding, node_ranks, shard_size, expected", [

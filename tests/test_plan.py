@@ -1,4 +1,4 @@
-"""`raysft plan` (raysft.plan): its parameter counts against the known Llama-3.1 sizes, and its per-worker peak
+"""`raysft plan` (raysft.tools.plan): its parameter counts against the known Llama-3.1 sizes, and its per-worker peak
 against the peaks bench/memory.py measured on CPU (docs/bench/cpu-memory*.json), for every strategy there."""
 
 import json
@@ -12,7 +12,7 @@ from raysft.config import load_config
 from raysft.data import prepare_store
 from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, rank_micro_batches
 from raysft.data.tokenizer import load_tokenizer
-from raysft.plan import Topology, model_shape, plan
+from raysft.tools.plan import Topology, model_shape, plan
 
 MiB = 2**20
 BENCHES = sorted((REPO / "docs" / "bench").glob("cpu-memory*.json"))

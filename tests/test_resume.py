@@ -5,7 +5,7 @@ from conftest import tiny_config
 
 from raysft.checkpoint import checkpoint_name
 from raysft.config import ConfigError
-from raysft.prelaunch import RUN_FILE, claim_run_dir
+from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
 
 
 def test_a_run_records_what_defines_it_and_accepts_other_changes(tmp_path):
@@ -58,7 +58,7 @@ def test_errors_every_worker_would_meet_are_config_errors_before_any_worker_star
     """Raised on the driver (rank 0 without Ray) with the key named, never retried in workers."""
     from transformers import LlamaConfig
 
-    from raysft.prelaunch import prepare_launch
+    from raysft.launch.prelaunch import prepare_launch
 
     if sets.get("model.config") == "SMALL_VOCAB":
         LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,

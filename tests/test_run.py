@@ -19,10 +19,10 @@ from raysft.checkpoint import MANIFEST_FILE, STAGING_DIR, STATE_FILE, Checkpoint
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.cli import main as cli
 from raysft.data import IGNORE_INDEX, prepare_store, read_store
+from raysft.data.demo import DEMO_CONVERSATIONS
 from raysft.data.tokenizer import load_tokenizer
-from raysft.demo import DEMO_CONVERSATIONS
-from raysft.metrics import read_metrics
-from raysft.run import launch
+from raysft.launch.torchrun import launch
+from raysft.training.metrics import read_metrics
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -91,8 +91,8 @@ def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
 
 
 def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tmp_path, gloo_pool, uninterrupted):
-    """The stop request of SIGTERM (raysft.signals) on rank 1 only: both ranks checkpoint the same step, say so and
-    return; the relaunch goes on from that checkpoint to the uninterrupted run's losses and weights, bit for bit."""
+    """The stop request of SIGTERM (raysft.launch.signals) on rank 1 only: both ranks checkpoint the same step, say
+    so and return; the relaunch goes on from that checkpoint to the uninterrupted run's losses and weights, bit for bit."""
     ref_losses, ref_weights = uninterrupted
     cfg = run_config(tmp_path, "stopped", **{"checkpoint.every_n_steps": 100})
     done = gloo_pool.run(launch_stopped_by_rank1, cfg, 5)
@@ -132,7 +132,7 @@ def test_torchrun_runs_the_documented_command(tmp_path):
     diverged = [*sets, "--set", "run.name=nan", "--set", "train.lr=1e20", "--set", "train.max_skipped_steps=1"]
     done = subprocess.run([*common, *diverged], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "raysft: error: TrainingDivergedError: step 2: 1 steps in a row" in done.stderr
-    assert "raysft/trainer.py" not in done.stderr, done.stderr[-3000:]  # no rank's traceback
+    assert "raysft/training/trainer.py" not in done.stderr, done.stderr[-3000:]  # no rank's traceback
 
 
 def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, uninterrupted, gloo_pool,
@@ -168,7 +168,7 @@ def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, unin
         torch.testing.assert_close(value, ref_weights[key], rtol=1e-3, atol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
 
 
-# --- validation (raysft.evaluation) and best checkpoints (raysft.checkpoint.retention) -------------------------
+# --- validation (raysft.training.evaluation) and best checkpoints (raysft.checkpoint.retention) ---------------
 
 
 def eval_file(tmp_path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The seeded from-scratch initialization (raysft.seeded_init): the same weights, bit for bit, on 1, 2 and 4 ranks
+"""The seeded from-scratch initialization (raysft.model.seeded_init): the same weights, bit for bit, on 1, 2 and 4 ranks
 under every strategy (gloo, no Ray), uneven and empty shards included; no rank holding a full copy while it
 initializes; and its scheme in the run identity and in a LoRA export."""
 
@@ -13,12 +13,12 @@ from transformers import LlamaConfig
 
 from raysft.checkpoint import CheckpointError
 from raysft.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
-from raysft.lora import add_adapters, record
-from raysft.lora_export import scratch_base
-from raysft.model import build_full_model, build_meta_model, load_initial_weights, materialize
-from raysft.parallelize import build_mesh, mesh_shape, parallelize
-from raysft.prelaunch import RUN_FILE, claim_run_dir
-from raysft.seeded_init import INIT_SCHEME
+from raysft.hf.adapters import scratch_base
+from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
+from raysft.model.build import build_full_model, build_meta_model, load_initial_weights, materialize
+from raysft.model.lora import add_adapters, record
+from raysft.model.seeded_init import INIT_SCHEME
+from raysft.parallel.fsdp import build_mesh, mesh_shape, parallelize
 
 SEED = 5
 LORA = LoraConfig(r=2)  # lora_A has 2 rows: on 4 ranks, ranks 2 and 3 hold empty shards of it

@@ -15,13 +15,13 @@ from raysft.checkpoint import DirectorySink
 from raysft.config import ConfigError, ParallelConfig, TrainConfig, config_from_dict
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
-from raysft.loss import loss_inputs
-from raysft.metrics import read_metrics
-from raysft.model import load_model_config
-from raysft.parallelize import MeshShape, mesh_shape
-from raysft.sequence_parallel import SequenceShard, check_sequence_parallel, split_batch
 from raysft.data.tokenizer import load_tokenizer
-from raysft.trainer import Trainer, resume_trainer
+from raysft.model.build import load_model_config
+from raysft.model.loss import loss_inputs
+from raysft.parallel.fsdp import MeshShape, mesh_shape
+from raysft.parallel.sequence import SequenceShard, check_sequence_parallel, split_batch
+from raysft.training.metrics import read_metrics
+from raysft.training.trainer import Trainer, resume_trainer
 
 SP = {"data.packing": "true", "model.attn_implementation": "varlen"}
 EVAL_PATHS = f"[{TEST_DATA / 'fastchat' / 'dummy_conversation.json'}]"
@@ -66,7 +66,7 @@ def _train_variants(ctx, configs: list[dict], stores: dict, out) -> None:
 
 def _eval_loss(cfg: TrainConfig, weights: dict, eval_store) -> float:
     """The reference model's loss over every label token of the eval store, in one padded batch."""
-    from raysft.model import build_full_model
+    from raysft.model.build import build_full_model
 
     tokenizer = load_tokenizer(cfg.model, cfg.data.chat_template)
     model = build_full_model(cfg.model, load_model_config(cfg.model, tokenizer), cfg.train.seed)

@@ -17,9 +17,9 @@ import pytest
 from conftest import REPO, cli_env, cli_in_process, running
 
 from raysft.checkpoint import MANIFEST_FILE
-from raysft.lease import LEASE_FILE
-from raysft.metrics import read_metrics
-from raysft.signals import EXIT_SIGINT, EXIT_SIGTERM, DriverSignals, Stopped
+from raysft.launch.lease import LEASE_FILE
+from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, DriverSignals, Stopped
+from raysft.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
 
@@ -197,8 +197,8 @@ def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctr
 
 
 def test_a_second_ctrl_c_ends_the_process_at_once():
-    code = ("import signal, os, time, threading, importlib.util\n"  # raysft.signals alone: no torch to import
-            "spec = importlib.util.spec_from_file_location('signals', 'raysft/signals.py')\n"
+    code = ("import signal, os, time, threading, importlib.util\n"  # raysft.launch.signals alone: no torch to import
+            "spec = importlib.util.spec_from_file_location('signals', 'raysft/launch/signals.py')\n"
             "signals = importlib.util.module_from_spec(spec); spec.loader.exec_module(signals)\n"
             "DriverSignals = signals.DriverSignals\n"
             "s = DriverSignals(60, lambda: None)\n"
@@ -217,7 +217,7 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
 
 def test_a_ray_address_nobody_answers_is_named_within_the_connect_timeout(tmp_path, monkeypatch):
     """A closed port on loopback: Ray alone retries it for minutes; raysft names RAY_ADDRESS before tokenizing."""
-    from raysft import local_ray
+    from raysft.launch import local_ray
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

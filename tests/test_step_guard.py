@@ -1,4 +1,4 @@
-"""Non-finite steps and loss spikes (raysft.step_guard) and the checkpoint's refusal of non-finite state, under
+"""Non-finite steps and loss spikes (raysft.training.step_guard) and the checkpoint's refusal of non-finite state, under
 plain torch.distributed (the suite's gloo pair, no Ray)."""
 
 import dataclasses
@@ -13,7 +13,7 @@ from conftest import run_config, step_losses, tiny_config
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-import raysft.trainer
+import raysft.training.trainer
 from raysft.checkpoint import (
     STATE_FILE,
     Checkpointer,
@@ -26,9 +26,9 @@ from raysft.checkpoint import (
 from raysft.config import ConfigError
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.metrics import progress_line, read_metrics
-from raysft.run import launch
-from raysft.trainer import Trainer
+from raysft.launch.torchrun import launch
+from raysft.training.metrics import progress_line, read_metrics
+from raysft.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _skip_and_spike(ctx, cfg, store) -> dict:
-    real = raysft.trainer.micro_batch_loss_sum
+    real = raysft.training.trainer.micro_batch_loss_sum
     trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     for _ in range(8):  # eight applied steps: the spike guard's history
         trainer.train_step()
@@ -77,11 +77,11 @@ def _skip_and_spike(ctx, cfg, store) -> dict:
                                 ("inf_loss_on_rank0", lambda ce: ce + inf_only, {0}),
                                 ("spike", lambda ce: ce * 50.0, {0, 1})):
         before, cursor = _snapshot(trainer), trainer.sampler.cursor.state_dict()
-        raysft.trainer.micro_batch_loss_sum = poisoned(poison, ranks)
+        raysft.training.trainer.micro_batch_loss_sum = poisoned(poison, ranks)
         try:
             metrics = trainer.train_step()
         finally:
-            raysft.trainer.micro_batch_loss_sum = real
+            raysft.training.trainer.micro_batch_loss_sum = real
         out[name] = {"unchanged": _same(before, _snapshot(trainer)), "metrics": metrics,
                      "cursor_moved": trainer.sampler.cursor.state_dict() != cursor}
     before = _snapshot(trainer)
@@ -142,8 +142,9 @@ def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(
 
 
 def _launch_with_spikes(ctx, cfg, spikes: set[int]) -> dict:
-    """raysft.run.launch with the loss (and so the gradients) of the steps in `spikes` 50 times what it is."""
-    real_loss, real_step = raysft.trainer.micro_batch_loss_sum, Trainer.train_step
+    """raysft.launch.torchrun.launch with the loss (and so the gradients) of the steps in `spikes` 50 times what it
+    is."""
+    real_loss, real_step = raysft.training.trainer.micro_batch_loss_sum, Trainer.train_step
     current = [0]
 
     def train_step(self, *args, **kwargs):
@@ -154,11 +155,11 @@ def _launch_with_spikes(ctx, cfg, spikes: set[int]) -> dict:
         ce = real_loss(model, batch)
         return ce * 50.0 if current[0] in spikes else ce
 
-    raysft.trainer.micro_batch_loss_sum, Trainer.train_step = loss_sum, train_step
+    raysft.training.trainer.micro_batch_loss_sum, Trainer.train_step = loss_sum, train_step
     try:
         return launch(ctx, cfg)
     finally:
-        raysft.trainer.micro_batch_loss_sum, Trainer.train_step = real_loss, real_step
+        raysft.training.trainer.micro_batch_loss_sum, Trainer.train_step = real_loss, real_step
 
 
 def test_a_run_with_the_spike_guard_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,

@@ -21,19 +21,19 @@ from transformers import AutoModelForCausalLM
 import raysft
 import raysft.checkpoint.manifest as manifest_module
 import raysft.checkpoint.sharded as ckpt_module
-from raysft import lease as lease_module
 from raysft import storage
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError, ScratchSink, checkpoint_dirs, incomplete_reason
 from raysft.checkpoint.dcp_read import StorageReader
 from raysft.config import ConfigError, TrainConfig, config_from_dict
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.lease import LEASE_FILE, RunInUse, RunLease
-from raysft.metrics import MetricsLogger, read_metrics
-from raysft.prelaunch import RUN_FILE, claim_run_dir
-from raysft.ray_worker import FATAL_ERROR_FILE, ray_worker_context
+from raysft.launch import lease as lease_module
+from raysft.launch.lease import LEASE_FILE, RunInUse, RunLease
+from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
+from raysft.launch.ray_worker import FATAL_ERROR_FILE, ray_worker_context
 from raysft.storage import Location, location
-from raysft.trainer import Trainer
+from raysft.training.metrics import MetricsLogger, read_metrics
+from raysft.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # starts Ray: not in make test-fast
 
@@ -62,7 +62,7 @@ def s3():
         fs = pafs.S3FileSystem(endpoint_override=endpoint, allow_bucket_creation=True)
         fs.create_dir(BUCKET)
         yield SimpleNamespace(endpoint=endpoint, fs=fs, env=settings)
-        storage._RESOLVED.clear()
+        storage.filesystem._RESOLVED.clear()
     server.stop()
 
 
@@ -219,7 +219,7 @@ def export_weights(checkpoint, out: Path) -> dict[str, torch.Tensor]:
 def runs(ray_cluster, s3_processes, tmp_path_factory):
     """An uninterrupted local run of 8 steps (without Ray: the same floats), and the same run on s3:// through Ray
     in two launches: stopped at step 3 (sharded), then continued (full) to the end."""
-    from raysft.run import launch
+    from raysft.launch.torchrun import launch
 
     tmp = tmp_path_factory.mktemp("storage-runs")
     sets = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.keep": 9,
@@ -325,7 +325,7 @@ def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp
     """raysft.run on s3://: every rank uploads its files, rank 0 the manifest last; a relaunch resumes from the
     bucket (sharded → full, then from a full checkpoint in files with an index, which rank 0 downloads and
     broadcasts), and checkpoint.keep prunes there too."""
-    from raysft.run import launch
+    from raysft.launch.torchrun import launch
 
     sets = {"train.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep": 2, "run.storage_path": prefix,
             "data.store_dir": str(tmp_path / "store"), "train.log_every_n_steps": 100}
@@ -349,8 +349,8 @@ def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp
 def _launch_in_small_files(ctx, cfg) -> dict:
     """raysft.run's launch with full checkpoints cut into files of 256 KiB (HF's 5 GiB would keep a toy model in
     one file): in the pool's processes, where the save runs."""
-    import raysft.checkpoint.hf_shards as hf_shards
-    from raysft.run import launch
+    import raysft.hf.shards as hf_shards
+    from raysft.launch.torchrun import launch
 
     default, hf_shards.SHARD_BYTES = hf_shards.SHARD_BYTES, 2**18
     try:

@@ -15,11 +15,11 @@ from raysft.config import TrainConfig, config_from_dict
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate
 from raysft.data.tokenizer import load_tokenizer
-from raysft.lora import add_adapters
-from raysft.metrics import read_metrics
-from raysft.model import build_full_model, load_model_config
-from raysft.optim import build_lr_scheduler, build_optimizer
-from raysft.trainer import Trainer
+from raysft.model.build import build_full_model, load_model_config
+from raysft.model.lora import add_adapters
+from raysft.training.metrics import read_metrics
+from raysft.training.optim import build_lr_scheduler, build_optimizer
+from raysft.training.trainer import Trainer
 
 STEPS = 3
 VARIANTS = [("FULL_SHARD", "none"), ("FULL_SHARD", "full"), ("SHARD_GRAD_OP", "none"), ("SHARD_GRAD_OP", "2"),

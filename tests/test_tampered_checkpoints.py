@@ -19,7 +19,6 @@ from conftest import tiny_config
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import raysft.checkpoint.manifest as manifest_module
-from raysft.chat import ChatModel
 from raysft.checkpoint import (
     MANIFEST_FILE,
     CheckpointError,
@@ -32,9 +31,10 @@ from raysft.checkpoint.dcp_read import dcp_reader
 from raysft.cli import main
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf_export import EXPORT_FILE, export
-from raysft.prelaunch import claim_run_dir
-from raysft.trainer import Trainer, WorkerContext
+from raysft.hf.export import EXPORT_FILE, export
+from raysft.launch.prelaunch import claim_run_dir
+from raysft.tools.chat import ChatModel
+from raysft.training.trainer import Trainer, WorkerContext
 
 
 def _free_port() -> int:

@@ -16,8 +16,8 @@ import pytest
 from conftest import http_status, run_config, step_losses
 
 from raysft.config import ConfigError
-from raysft.run import launch
-from raysft.trackers import TRACKERS_FILE, check_trackers
+from raysft.launch.torchrun import launch
+from raysft.training.trackers import TRACKERS_FILE, check_trackers
 
 
 @pytest.fixture(scope="module")

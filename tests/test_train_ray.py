@@ -14,9 +14,9 @@ from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.launch import CannotPlaceWorkers
-from raysft.metrics import read_metrics
-from raysft.step_guard import TrainingDivergedError
+from raysft.launch.ray_driver import CannotPlaceWorkers
+from raysft.training.metrics import read_metrics
+from raysft.training.step_guard import TrainingDivergedError
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 PROBE = torch.tensor([[5, 60, 70, 80, 90, 100, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14]])

@@ -18,7 +18,7 @@ from raysft.checkpoint import DirectorySink
 from raysft.config import TrainConfig, config_from_dict
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.metrics import read_metrics
+from raysft.training.metrics import read_metrics
 
 STEPS = 6
 BASE = {"train.max_steps": STEPS, "checkpoint.every_n_steps": 3, "checkpoint.mode": "full",
@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def _run(rank: int, world_size: int, init: str, runs: list[tuple[str, dict, str | None]], store: str) -> None:
-    from raysft.trainer import Trainer, WorkerContext
+    from raysft.training.trainer import Trainer, WorkerContext
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)

@@ -19,9 +19,9 @@ from raysft.checkpoint import DirectorySink, save
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.metrics import read_metrics
-from raysft.run import launch
-from raysft.trainer import Trainer
+from raysft.launch.torchrun import launch
+from raysft.training.metrics import read_metrics
+from raysft.training.trainer import Trainer
 
 PROBE = torch.tensor([[5, 60, 70, 80, 90, 100, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14]])
 
@@ -166,7 +166,7 @@ def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
 def test_export_in_bf16_fp16_fp32_with_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, gloo_pool):
     from transformers import AutoTokenizer, GenerationConfig
 
-    from raysft.hf_export import write_generation_config
+    from raysft.hf.export import write_generation_config
 
     cfg = tiny_config(tmp_path, **{"train.max_steps": 2})
     gloo_pool.run(launch, cfg)

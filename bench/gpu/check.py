@@ -115,8 +115,8 @@ def gpu_tests() -> tuple[list[str], list[str]]:
 
 
 def torchrun_env() -> dict[str, str]:
-    """What `torchrun --standalone --nproc-per-node 1` gives its one worker, for raysft.run.init_distributed: the
-    steps train as torchrun's worker would, without a launcher process importing torch once more per step."""
+    """What `torchrun --standalone --nproc-per-node 1` gives its one worker, for
+    raysft.launch.torchrun.init_distributed: the steps train as torchrun's worker would, without a launcher process importing torch once more per step."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

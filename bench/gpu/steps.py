@@ -30,9 +30,16 @@ from torchrun_train import summarize, synchronized_time  # noqa: E402
 
 from raysft.checkpoint import checkpoint_dirs, read_manifest  # noqa: E402
 from raysft.data import read_store  # noqa: E402
-from raysft.metrics import read_metrics  # noqa: E402
-from raysft.model import build_meta_model, materialize  # noqa: E402
-from raysft.run import end_distributed, exit_process, init_distributed, launch, prepare_on_rank0, run_trainer  # noqa: E402
+from raysft.launch.torchrun import (  # noqa: E402
+    end_distributed,
+    exit_process,
+    init_distributed,
+    launch,
+    prepare_on_rank0,
+    run_trainer,
+)
+from raysft.model.build import build_meta_model, materialize  # noqa: E402
+from raysft.training.metrics import read_metrics  # noqa: E402
 
 # The "Fast on GPUs" recipes of docs/BENCHMARKS.md (bench/throughput.py's settings), most telling first: the fast
 # recipe with its token budget tuned here, the step as it was before issue 17 (padded, full fp32 logits), LoRA on

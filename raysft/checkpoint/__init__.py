@@ -38,15 +38,8 @@ from raysft.checkpoint.sinks import (
     clear_scratch,
     scratch_root,
 )
-from raysft.checkpoint.state import (
-    STATE_FILE,
-    CheckpointError,
-    CheckpointSaveError,
-    NonFiniteStateError,
-    TrainingObjects,
-    TrainState,
-    read_trainer_state,
-)
+from raysft.checkpoint.state import STATE_FILE, CheckpointError, TrainingObjects, TrainState, read_trainer_state
+from raysft.errors import CheckpointSaveError, NonFiniteStateError
 
 __all__ = [
     "CHECKPOINT_PREFIX", "MANIFEST_FILE", "MODEL_FILE", "STAGING_DIR", "STATE_FILE", "TRAINING_FILES",

@@ -19,9 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.layouts import PendingSave, load, start_save
 from raysft.checkpoint.sinks import Sink
-from raysft.checkpoint.state import CheckpointSaveError, NonFiniteStateError, TrainingObjects, TrainState
-from raysft.collectives import all_ranks, any_rank, count_ranks, from_rank0
+from raysft.checkpoint.state import TrainingObjects, TrainState
 from raysft.config import CheckpointConfig
+from raysft.errors import CheckpointSaveError, NonFiniteStateError
+from raysft.parallel.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.storage import Location
 
 
@@ -112,7 +113,7 @@ class Checkpointer:
     `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
     which a node of this run will be taken away. A save is due as soon as it is heard of, and once more when the
     deadline is nearer than two steps and a save, so that only the steps after that are redone. `stop_requested` is
-    local (a SIGTERM reached this process or its driver, raysft.signals): when it holds on any rank, every rank
+    local (a SIGTERM reached this process or its driver, raysft.launch.signals): when it holds on any rank, every rank
     saves the step it is at, as for a preemption notice."""
 
     def __init__(self, cfg: CheckpointConfig, objs: TrainingObjects, sink: Sink, log, rank: int,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from raysft.checkpoint.manifest import incomplete_reason
-from raysft.collectives import from_rank0
+from raysft.parallel.collectives import from_rank0
 from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step

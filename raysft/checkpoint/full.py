@@ -4,7 +4,7 @@ that transformers (and any safetensors reader) loads as it is:
     config.json, model*.safetensors, tokenizer files     the model
     optimizer*.safetensors, optimizer.json               AdamW state by parameter name, and the param groups
 
-each in files of at most about 5 GiB with an index, as HF writes large models (raysft.checkpoint.hf_shards).
+each in files of at most about 5 GiB with an index, as HF writes large models (raysft.hf.shards).
 
 Saving streams: each tensor is gathered whole, one at a time, and rank 0 writes it into its place in its file
 before the next is gathered, so no rank holds more than its shards and one tensor (the safetensors header, all
@@ -12,7 +12,7 @@ shapes and dtypes, is known before any gather). With checkpoint.async the whole 
 first, the snapshot that lets training go on while it is written.
 
 Loading: where every rank sees the checkpoint's files (local or shared storage), each reads only its own slices
-of every tensor from them (raysft.hf_weights); otherwise (remote storage) rank 0 reads the files (downloaded
+of every tensor from them (raysft.hf.weights); otherwise (remote storage) rank 0 reads the files (downloaded
 first, each checked against the manifest on the way) and broadcasts. Nothing is unpickled.
 """
 
@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from raysft.checkpoint import hf_shards
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
 from raysft.checkpoint.trainable import check_adapter_names, state_dict_options
-from raysft.collectives import all_ranks, from_rank0
-from raysft.hf_weights import WeightsFileError, read_local_slices
+from raysft.hf import shards as hf_shards
+from raysft.hf.weights import WeightsFileError, read_local_slices
+from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.storage import Location, location
 
 OPTIMIZER_META_FILE = "optimizer.json"

@@ -17,7 +17,6 @@ from raysft.checkpoint.state import (
     RNG_FILE,
     STATE_FILE,
     CheckpointError,
-    CheckpointSaveError,
     TrainingObjects,
     TrainState,
     gather_rng_states,
@@ -26,7 +25,8 @@ from raysft.checkpoint.state import (
     restore_trainer_state,
     write_run_files,
 )
-from raysft.collectives import count_ranks
+from raysft.errors import CheckpointSaveError
+from raysft.parallel.collectives import count_ranks
 from raysft.storage import Location
 
 # each: save(out_dir, objs, asynchronous) -> Future of {file: sha256} hashed while written; load(ckpt_dir, objs)

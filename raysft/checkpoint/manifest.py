@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import BinaryIO
 
-from raysft.checkpoint.hf_shards import is_tensor_file
 from raysft.checkpoint.state import FORMAT_VERSION, CheckpointError
+from raysft.hf.shards import is_tensor_file
 from raysft.storage import Location, location
 
 MANIFEST_FILE = "manifest.json"

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from raysft.checkpoint.discovery import checkpoint_name
 from raysft.checkpoint.manifest import MANIFEST_FILE, fsync
 from raysft.checkpoint.retention import prune
-from raysft.checkpoint.state import CheckpointSaveError
-from raysft.collectives import count_ranks, from_rank0
+from raysft.errors import CheckpointSaveError
+from raysft.parallel.collectives import count_ranks, from_rank0
 from raysft.storage import Location
 
 STAGING_DIR = ".staging"

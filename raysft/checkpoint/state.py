@@ -14,10 +14,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from raysft.collectives import default_device
 from raysft.data.dataloader import DataCursor
-from raysft.step_guard import StepGuard, state_problem
+from raysft.errors import CheckpointError
+from raysft.parallel.collectives import default_device
 from raysft.storage import Location, location
+from raysft.training.step_guard import StepGuard, state_problem
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"
@@ -25,18 +26,7 @@ RNG_FILE = "rng.safetensors"
 _STATE_KEYS = {"mode": str, "step": int, "cursor": dict, "scheduler": dict, "world_size": int}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint directory that cannot be loaded; the message names the path."""
 
-
-class CheckpointSaveError(CheckpointError):
-    """Writing a checkpoint failed on some rank (a full disk, a lost mount). Raised on every rank at once; the
-    checkpoint is not complete and never reported, so the previous one stays the latest."""
-
-
-class NonFiniteStateError(CheckpointSaveError):
-    """The weights or optimizer state to be saved hold NaN or inf: nothing is written, and the checkpoints before
-    stay the latest (retention never prunes them for it)."""
 
 
 @dataclass
@@ -44,7 +34,7 @@ class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
     eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
-    skipped_steps: int = 0  # steps not applied (raysft.step_guard), over the whole run
+    skipped_steps: int = 0  # steps not applied (raysft.training.step_guard), over the whole run
 
 
 @dataclass
@@ -59,7 +49,7 @@ class TrainingObjects:
     tokenizer: PreTrainedTokenizerBase
     aliases: dict[str, str]  # tied parameters: {alias: canonical name}
     guard: StepGuard  # its recent losses and skips in a row decide the steps after a resume
-    lora: dict | None = None  # LoRA (raysft.lora.record): the checkpoint holds only the adapters
+    lora: dict | None = None  # LoRA (raysft.model.lora.record): the checkpoint holds only the adapters
 
 
 def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: TrainState,

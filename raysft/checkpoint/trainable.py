@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from raysft.checkpoint.state import CheckpointError
-from raysft.seeded_init import clean_name
+from raysft.model.seeded_init import clean_name
 
 
 def has_frozen_parameters(model: nn.Module) -> bool:

@@ -16,7 +16,6 @@ from raysft.config.sections import (
     BUILTIN,
     TRACKERS,
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -28,6 +27,7 @@ from raysft.config.sections import (
     TrainLoopConfig,
     reference_markdown,
 )
+from raysft.errors import ConfigError
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",

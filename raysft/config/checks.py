@@ -12,7 +12,6 @@ from raysft.config.sections import (
     BUILTIN,
     TRACKERS,
     CheckpointConfig,
-    ConfigError,
     DataConfig,
     LoraConfig,
     MetricsConfig,
@@ -23,6 +22,7 @@ from raysft.config.sections import (
     TrainConfig,
     TrainLoopConfig,
 )
+from raysft.errors import ConfigError
 from raysft.storage import is_remote
 
 
@@ -235,7 +235,7 @@ def _validate_lora(lora: LoraConfig) -> None:
 def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int, int] | None:
     """The (replicate, shard, sequence) sizes that the configuration fixes for `num_workers` workers, checked: the
     one place the layout is validated, on the driver for every worker count and in the workers for the mesh
-    (raysft.parallelize.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes
+    (raysft.parallel.fsdp.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes
     (then `sequence_layout` carves the sequence dimension out of them)."""
     shard, n = p.hsdp_shard_size, p.sequence_parallel
     _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")

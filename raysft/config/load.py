@@ -16,7 +16,8 @@ from typing import Any, Literal
 import yaml
 
 from raysft.config.checks import validate
-from raysft.config.sections import ConfigError, TrainConfig, field_key
+from raysft.config.sections import TrainConfig, field_key
+from raysft.errors import ConfigError
 
 
 def config_from_dict(data: dict[str, Any]) -> TrainConfig:

@@ -19,9 +19,6 @@ from raysft.storage import Location, location, native
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
 
 
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or inconsistent; the message names the key."""
-
 
 @dataclass
 class LoraConfig:
@@ -40,11 +37,11 @@ class LoraConfig:
 class ModelConfig:
     path: str = ""
     """Local Hugging Face directory (config.json + safetensors) to fine-tune. Empty: train from scratch. Its files
-    are checked on the driver (raysft.model_files); one whose config asks for code of its own (auto_map) is refused:
+    are checked on the driver (raysft.hf.files); one whose config asks for code of its own (auto_map) is refused:
     no code from a model directory runs. Every worker reads its own slices of the weights from these files, so the
     directory must be readable at this path on every node (a shared mount)."""
     config: str = "demo-tiny"
-    """From-scratch architecture: a preset name (see raysft.model.PRESETS) or a config.json / directory."""
+    """From-scratch architecture: a preset name (see raysft.model.build.PRESETS) or a config.json / directory."""
     tokenizer: str = "builtin:demo"
     """Tokenizer directory; empty means `path`. "builtin:demo" is the byte-level BPE shipped for the demo."""
     attn_implementation: str = "sdpa"
@@ -54,7 +51,7 @@ class ModelConfig:
     AttentionInterface. One that would not attend as the model does is refused: varlen with the model's
     sliding_window shorter than data.max_seq_len, varlen or sdpa with its attn_logit_softcapping."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters instead of full fine-tuning (raysft.lora); needs `pip install 'raysft[lora]'`."""
+    """LoRA adapters instead of full fine-tuning (raysft.model.lora); needs `pip install 'raysft[lora]'`."""
 
 
 @dataclass
@@ -140,13 +137,14 @@ class TrainLoopConfig:
     or gradient norm is NaN or inf on any rank, on an fp16 overflow, or on a loss spike); 0: never stop."""
     loss_spike_factor: float = 0.0
     """Skip a step whose loss exceeds this factor times the median loss of the last 32 applied steps (from the 8th
-    applied step on; raysft.step_guard); 0: off."""
+    applied step on; raysft.training.step_guard); 0: off."""
 
 
 # model.attn_implementation: transformers' built-in kernels; anything registered with transformers'
 # AttentionInterface (raysft's own included) is accepted too. Extend this tuple for a kernel registered only
 # inside the workers.
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "varlen")  # varlen: raysft.attention
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "varlen")
+# varlen: raysft.model.attention
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 

@@ -17,6 +17,7 @@ Modules, by role (the orchestration, prepare, sits above both tokenizing paths; 
   conversation  records (ShareGPT, OpenAI) → messages
   tokenizer     the tokenizer and chat template, refused if it would run code; its fingerprint
   dataloader    the global data cursor → each rank's micro-batches, padded or packed
+  demo          the embedded demo's conversations and byte-level BPE tokenizer (raysft/assets/demo)
 """
 
 from raysft.data.conversation import BadRecord

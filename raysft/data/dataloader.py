@@ -196,7 +196,7 @@ def collate(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int,
     masks attention across them (there is no attention_mask), and the label of each sample's first token is
     ignored, so no token learns from the sample before it: the loss is that of the padded batch. The sample
     boundaries also come as cumulative lengths (int32) and the longest sample, transformers' flash-attention
-    kwargs, made here on the CPU so that no kernel has to find them on the device (`raysft.attention`).
+    kwargs, made here on the CPU so that no kernel has to find them on the device (`raysft.model.attention`).
     """
     rows = [dataset.input_ids[i] for i in indices]
     if packing:

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raysft.config import BUILTIN, DataConfig, data_sources
-from raysft.demo import DEMO_CONVERSATIONS
+from raysft.data.demo import DEMO_CONVERSATIONS
+from raysft.errors import DataError
 from raysft.storage import hash_stream
 
 HF_STATE_FILE = "state.json"  # what Dataset.save_to_disk writes beside its Arrow files
@@ -41,9 +42,6 @@ class Source:
         return {"path": str(self.path), "sha256": self.sha256, "bytes": self.bytes,
                 **({"weight": self.weight} if self.weight != 1 else {})}
 
-
-class DataError(ValueError):
-    """Input data that cannot be used; the message names the file and the record."""
 
 
 class SourceError(ValueError):

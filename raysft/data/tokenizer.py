@@ -8,8 +8,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from raysft.config import BUILTIN, ConfigError, ModelConfig
-from raysft.demo import DEMO_TOKENIZER
-from raysft.model_files import ModelDirError, refuse_code
+from raysft.data.demo import DEMO_TOKENIZER
+from raysft.hf.files import ModelDirError, refuse_code
 
 # FastChat's vicuna_v1.1 conversation, text for text ("<s>SYSTEM USER: q ASSISTANT: a</s>USER: ..."), with the
 # assistant text and its </s> marked for the loss.

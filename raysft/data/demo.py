@@ -1,7 +1,7 @@
 """The embedded demo's assets: synthetic conversations and a byte-level BPE tokenizer trained on them.
 
 Nothing may come from a model hub, so the project makes its own. The files are shipped in raysft/assets/demo;
-`python -m raysft.demo` regenerates them (deterministically) after a change here.
+`python -m raysft.data.demo` regenerates them (deterministically) after a change here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-DEMO_DIR = Path(__file__).parent / "assets" / "demo"
+DEMO_DIR = Path(__file__).parent.parent / "assets" / "demo"
 DEMO_CONVERSATIONS = DEMO_DIR / "conversations.json"
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
 DEMO_PROMPT = "What is the capital of France?"

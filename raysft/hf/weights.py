@@ -21,9 +21,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-
-class WeightsFileError(ValueError):
-    """A safetensors file whose tensor cannot fill a parameter (absent, or of another shape); names both."""
+from raysft.errors import WeightsFileError
 
 
 def tensor_files(files: Iterable[Path]) -> dict[str, Path]:

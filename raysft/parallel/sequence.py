@@ -16,7 +16,7 @@ The rest of the step needs no change of its own:
   label of a slice's last token comes from the next worker's first token), divided by the label tokens of the
   whole global batch as without sequence parallelism;
 - gradients: FSDP shards over every worker of the data-parallel and the sequence dimension together (the two
-  flattened, `raysft.parallelize`), so its reduce-scatter sums every worker's partial gradient, sequence groups
+  flattened, `raysft.parallel.fsdp`), so its reduce-scatter sums every worker's partial gradient, sequence groups
   included; the trainer's loss factor (world size / global label tokens) undoes FSDP's average over all of them.
   No separate all-reduce over the sequence group is needed, and parameters, gradients and optimizer state are
   sharded N times finer as a bonus.
@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
-from raysft.attention import VARLEN, varlen_attention_forward
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import IGNORE_INDEX
-from raysft.loss import loss_inputs
+from raysft.model.attention import VARLEN, varlen_attention_forward
+from raysft.model.loss import loss_inputs
 
 ULYSSES = "raysft_ulysses"  # the attention name the model runs under with sequence parallelism
 

@@ -25,9 +25,9 @@ from raysft.checkpoint import (
     read_trainer_state,
 )
 from raysft.data.labels import stop_token_ids
-from raysft.hf_export import export
-from raysft.lora_export import ADAPTER_CONFIG, load_adapter_dir
-from raysft.model_files import check_model_dir
+from raysft.hf.adapters import ADAPTER_CONFIG, load_adapter_dir
+from raysft.hf.export import export
+from raysft.hf.files import check_model_dir
 
 Message = dict[str, str]
 DEFAULT_MAX_NEW_TOKENS = 128

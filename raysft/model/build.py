@@ -2,8 +2,8 @@
 
 Every rank builds the model with parameters on the meta device (no memory), shards it and then materializes only
 its own shards. Pretrained weights are read by every rank from the safetensors files, each its own slices
-(raysft.hf_weights); a from-scratch model is initialized on every rank module by module, each rank keeping its
-slices (raysft.seeded_init): no rank holds the whole model. Only pretrained weights whose parameter names are not
+(raysft.hf.weights); a from-scratch model is initialized on every rank module by module, each rank keeping its
+slices (raysft.model.seeded_init): no rank holds the whole model. Only pretrained weights whose parameter names are not
 the files' (tied weights, a conversion mapping) take the other way: rank 0 builds a real copy whose full state
 dict is broadcast shard by shard.
 """
@@ -20,13 +20,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-import raysft.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
-from raysft.collectives import all_ranks
+import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
-from raysft.hf_weights import read_local_slices, tensor_files
-from raysft.lora import add_adapters, init_adapter, init_adapters, is_adapter
-from raysft.model_files import ModelDirError, check_config_file, check_model_dir, weight_files
-from raysft.seeded_init import clean_name, init_parameters
+from raysft.hf.files import ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.hf.weights import read_local_slices, tensor_files
+from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adapter
+from raysft.model.seeded_init import clean_name, init_parameters
+from raysft.parallel.collectives import all_ranks
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -41,7 +41,7 @@ PRESETS: dict[str, dict] = {
 def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     """The architecture to train: the pretrained directory's, a preset's, or a config file's. A ConfigError naming
     the key when it cannot be used: the same error would meet every worker on every restart. The directory's
-    files are checked first (raysft.model_files): a damaged or crafted one is refused here, on the driver."""
+    files are checked first (raysft.hf.files): a damaged or crafted one is refused here, on the driver."""
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
@@ -114,8 +114,8 @@ def build_full_model(cfg: ModelConfig, config: PretrainedConfig, seed: int) -> n
 
 def init_from_seed(model: nn.Module, seed: int) -> None:
     """Not collective: the seeded initialization of every parameter (full, or this rank's shards), module by
-    module (raysft.seeded_init). The model's own `_init_weights` initializes its modules, peft's rule the LoRA
-    adapters (raysft.lora.init_adapter). Modules are named without wrappers, and an adapted layer's base weight as
+    module (raysft.model.seeded_init). The model's own `_init_weights` initializes its modules, peft's rule the LoRA
+    adapters (raysft.model.lora.init_adapter). Modules are named without wrappers, and an adapted layer's base weight as
     the layer itself, so a base weight has the same value with LoRA or without it."""
     def init_module(name: str, module: nn.Module) -> None:
         if is_adapter(f"{name}."):
@@ -214,7 +214,7 @@ def slice_read_problem(model: nn.Module, path: Path) -> str | None:
 
 def read_pretrained_slices(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Every rank: its slices of the pretrained weights from the files; LoRA's adapters their seeded slices
-    (raysft.seeded_init: the values add_adapters gives a full model from the same seed)."""
+    (raysft.model.seeded_init: the values add_adapters gives a full model from the same seed)."""
     read_local_slices(_base_tensors(model), tensor_files(weight_files(Path(cfg.path).expanduser())))
     if cfg.lora.r:
         init_adapters(model, seed)

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raysft.collectives import any_rank
 from raysft.config import TrainConfig
+from raysft.parallel.collectives import any_rank
 from raysft.storage import Location, scratch_file
-from raysft.trackers import Trackers
+from raysft.training.trackers import Trackers
 
 METRICS_FILE = "metrics.jsonl"
 # Dense tensor-core peaks per GPU (vendor datasheets, SXM parts), TFLOP/s, by compute dtype; fp32 matmuls do not

@@ -1,7 +1,7 @@
 """Exporting a LoRA checkpoint, and loading what that writes.
 
 A LoRA checkpoint holds only the adapters; its trainer_state.json says where the frozen base comes from
-(raysft.lora.record). Two exports:
+(raysft.model.lora.record). Two exports:
 
 adapter  a peft adapter directory: adapter_config.json + adapter_model.safetensors (peft's names), which
          `PeftModel.from_pretrained(base, dir)` loads on top of the base; config, tokenizer and
@@ -23,10 +23,10 @@ from torch import nn
 
 from raysft.checkpoint import CheckpointError
 from raysft.config import LoraConfig, ModelConfig
-from raysft.lora import ADAPTER, peft_config
-from raysft.model import build_full_model, tied_parameter_aliases
-from raysft.model_files import check_config_file, check_model_dir
-from raysft.seeded_init import INIT_SCHEME
+from raysft.hf.files import check_config_file, check_model_dir
+from raysft.model.build import build_full_model, tied_parameter_aliases
+from raysft.model.lora import ADAPTER, peft_config
+from raysft.model.seeded_init import INIT_SCHEME
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -40,7 +40,7 @@ def lora_config(lora: dict) -> LoraConfig:
 
 
 def write_adapter(adapters, lora: dict, out: Path, dtype: torch.dtype) -> None:
-    """`adapters`: a checkpoint's weight source (raysft.hf_export) holding the adapters only."""
+    """`adapters`: a checkpoint's weight source (raysft.hf.export) holding the adapters only."""
     tensors = adapters.load(list(adapters.sizes))
     peft_names = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): t.to(dtype).contiguous()
                   for name, t in tensors.items()}
@@ -130,8 +130,8 @@ def _base_weights(base: dict, config_dir: Path):
 
 def scratch_base(config_dir: Path, base: dict) -> nn.Module:
     """The base of a run trained from scratch: the seeded initialization of the config in config_dir, the same
-    as every launch of the run built (raysft.model.build_full_model). `base` is the checkpoint's record of it
-    (raysft.lora.record): one initialized under another scheme (or before schemes were recorded) would be other
+    as every launch of the run built (raysft.model.build.build_full_model). `base` is the checkpoint's record of it
+    (raysft.model.lora.record): one initialized under another scheme (or before schemes were recorded) would be other
     weights than those the adapters were trained on, so it is refused."""
     from transformers import AutoConfig
 

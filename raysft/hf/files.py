@@ -15,15 +15,14 @@ from typing import Any
 
 from safetensors import safe_open
 
+from raysft.errors import ModelDirError
+
 # The safetensors library's own limit on a header (its MAX_HEADER_SIZE): a larger length field is no real header.
 MAX_HEADER_BYTES = 100_000_000
 INDEX_FILE = "model.safetensors.index.json"
 # The files whose `auto_map` asks transformers to import Python modules from the directory.
 CODE_NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
 
-
-class ModelDirError(ValueError):
-    """A model or tokenizer directory that raysft will not read; the message names the file and the fault."""
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -6,7 +6,7 @@ get gradients, a gradient reduction and optimizer state. Checkpoints hold only w
 (raysft.checkpoint.trainable: torch's ignore_frozen_params); the frozen base always comes from where the run started:
 `model.path`, or the from-scratch initialization with `train.seed`, rebuilt on every launch. A LoRA checkpoint
 records that in its trainer_state.json (`record`), and exports as a peft adapter directory or merged into a full
-Hugging Face model (raysft.lora_export).
+Hugging Face model (raysft.hf.adapters).
 
 Parameter names: the base weight of an adapted linear layer `...q_proj` is `...q_proj.base_layer.weight` in the
 model, its adapters `...q_proj.lora_A.default.weight` and `...q_proj.lora_B.default.weight` (peft's names).
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from raysft.config import ConfigError, LoraConfig, TrainConfig
-from raysft.seeded_init import INIT_SCHEME, clean_name, init_parameters
+from raysft.model.seeded_init import INIT_SCHEME, clean_name, init_parameters
 
 ADAPTER = "default"  # peft's adapter name; raysft trains one adapter
 
@@ -34,7 +34,7 @@ def peft_config(cfg: LoraConfig, base_path: str | None = None):
 
 def add_adapters(model: nn.Module, cfg: LoraConfig, seed: int | None = None) -> nn.Module:
     """Inject the adapters in place and freeze everything else; a no-op with r = 0. On the meta device they stay
-    there (materialized with the rest); with `seed`, they get the seeded initialization of raysft.seeded_init
+    there (materialized with the rest); with `seed`, they get the seeded initialization of raysft.model.seeded_init
     (the values the sharded model's adapters get from the same seed, on any topology), the caller's RNG untouched."""
     if not cfg.r:
         return model

@@ -7,7 +7,7 @@ PyTorch's FSDP1 names map onto FSDP2 as follows; all four use the same `fully_sh
   NO_SHARD       2-D mesh (world, 1): every worker holds everything, gradients are all-reduced (data parallel)
 
 With `sequence_parallel: N` the layout gets a third, innermost dimension, "sequence" (N consecutive ranks, one
-process group each, raysft.sequence_parallel), carved out of "shard" (out of "replicate" for NO_SHARD); FSDP's
+process group each, raysft.parallel.sequence), carved out of "shard" (out of "replicate" for NO_SHARD); FSDP's
 mesh folds it back into "shard", so every worker's partial gradient is summed in the reduce-scatter.
 """
 
@@ -25,8 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from raysft.config import ConfigError, ParallelConfig, parallel_layout, sequence_layout
-from raysft.model import decoder_layer_classes
-from raysft.sequence_parallel import apply_sequence_parallel
+from raysft.model.build import decoder_layer_classes
+from raysft.parallel.sequence import apply_sequence_parallel
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
                 sequence: dist.ProcessGroup | None = None) -> nn.Module:
     """Sequence parallelism's attention, then activation checkpointing, then torch.compile, then fully_shard per
     decoder layer, then the root (embeddings, norm, head): torchtitan's order."""
-    # 0. Ulysses attention over the sequence group (raysft.sequence_parallel).
+    # 0. Ulysses attention over the sequence group (raysft.parallel.sequence).
     if sequence is not None:
         apply_sequence_parallel(model, sequence)
     layer_classes = decoder_layer_classes(model)

@@ -31,8 +31,8 @@ import torch
 from transformers import PretrainedConfig
 
 from raysft.config import ConfigError, TrainConfig
-from raysft.lora import add_adapters
-from raysft.model import build_meta_model, decoder_layer_classes
+from raysft.model.build import build_meta_model, decoder_layer_classes
+from raysft.model.lora import add_adapters
 
 GiB, MiB = 2**30, 2**20
 # GPU memory by Ray's accelerator_type (Ray reports the model, not its memory), in vendor GB. A100 comes in 40 and
@@ -87,10 +87,10 @@ class Topology:
 
 
 def shard_group(cfg: TrainConfig, topology: Topology) -> int:
-    """The shard group's size, as raysft.parallelize.mesh_shape lays it out (workers spread evenly on nodes)."""
+    """The shard group's size, as raysft.parallel.fsdp.mesh_shape lays it out (workers spread evenly on nodes)."""
     sharding, workers = cfg.parallel.sharding, topology.workers
     if sharding == "NO_SHARD":
-        return cfg.parallel.sequence_parallel  # FSDP's "shard" dimension is the sequence group (raysft.parallelize)
+        return cfg.parallel.sequence_parallel  # FSDP's "shard" dimension is the sequence group (raysft.parallel.fsdp)
     if sharding != "HYBRID_SHARD":
         return workers
     if cfg.parallel.hsdp_shard_size:

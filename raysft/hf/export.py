@@ -27,11 +27,11 @@ from raysft.checkpoint import (
     read_index,
     read_trainer_state,
 )
-from raysft.checkpoint import hf_shards
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
 from raysft.data.labels import stop_token_ids
-from raysft.lora_export import merged_weights, write_adapter
-from raysft.prelaunch import RUN_FILE
+from raysft.hf import shards as hf_shards
+from raysft.hf.adapters import merged_weights, write_adapter
+from raysft.launch.prelaunch import RUN_FILE
 from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = hf_shards.index_name("model")
@@ -52,7 +52,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
     there piece by piece (not its optimizer state), a full one's model files are downloaded to a temporary
     directory first.
-    A LoRA checkpoint (raysft.lora_export) exports as a peft adapter directory, or with `merge` as a full model
+    A LoRA checkpoint (raysft.hf.adapters) exports as a peft adapter directory, or with `merge` as a full model
     with the adapters merged into the base.
     The directory appears complete or not at all (written beside it, then renamed). An existing non-empty
     directory is replaced only with overwrite=True (`--force`), or with overwrite="export" when it is an earlier

@@ -5,14 +5,14 @@ the CPU, from a seed derived from the run seed and the module's name, and each r
 (the local shard of an FSDP2 DTensor, even or uneven, replicated or not). The values of a parameter depend on its
 name, shape and the run seed only, never on the world size, the sharding strategy or the order in which other
 modules were initialized, so 1, 2, 4 or 8 workers under any strategy start from the same weights, bit for bit,
-and the one-process model (raysft.model.build_full_model) is that same initialization with one rank.
+and the one-process model (raysft.model.build.build_full_model) is that same initialization with one rank.
 
 The largest allocation on top of a rank's shards is one module's parameters in full (the embedding or the LM
 head: vocab x hidden, 4.2 GB in fp32 for Llama-3-70B), instead of a full copy of the model.
 
 INIT_SCHEME names this scheme. Weights initialized another way are other weights: a run whose frozen base is
 rebuilt from the seed on every launch (LoRA from scratch) records it in its identity and its checkpoints, and a
-launch or an export under another scheme is refused (raysft.prelaunch, raysft.lora_export).
+launch or an export under another scheme is refused (raysft.launch.prelaunch, raysft.hf.adapters).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from raysft.hf_weights import copy_local_slice
+from raysft.hf.weights import copy_local_slice
 
 INIT_SCHEME = "per-module-seed-1"  # bump when the values a (seed, name, shape) gives change
 

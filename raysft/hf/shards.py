@@ -16,8 +16,8 @@ import json
 import re
 from pathlib import Path
 
-from raysft.checkpoint.state import CheckpointError
-from raysft.hf_weights import tensor_files
+from raysft.errors import CheckpointError
+from raysft.hf.weights import tensor_files
 
 SHARD_BYTES = 5 * 2**30
 STEMS = ("model", "optimizer")

@@ -17,17 +17,17 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from raysft.attention import check_attention
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.lora import add_adapters
-from raysft.loss import check_chunked_loss
-from raysft.model import build_meta_model, load_model_config
-from raysft.seeded_init import INIT_SCHEME
-from raysft.sequence_parallel import check_sequence_parallel
+from raysft.model.attention import check_attention
+from raysft.model.build import build_meta_model, load_model_config
+from raysft.model.lora import add_adapters
+from raysft.model.loss import check_chunked_loss
+from raysft.model.seeded_init import INIT_SCHEME
+from raysft.parallel.sequence import check_sequence_parallel
 from raysft.storage import Location, location, native
-from raysft.trackers import check_trackers
+from raysft.training.trackers import check_trackers
 
 RUN_FILE = "raysft_run.json"
 # Without these, a checkpoint's weights and data cursor would mean something else: another model, or another order
@@ -66,7 +66,7 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
 
 
 def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The model's directory (its files checked, raysft.model_files) or config, its vocabulary against the tokenizer
+    """The model's directory (its files checked, raysft.hf.files) or config, its vocabulary against the tokenizer
     and the LoRA targets: errors that would otherwise meet every worker and be retried scaling.max_failures times."""
     hf_config = load_model_config(config.model, tokenizer)
     check_attention(hf_config, config.model.attn_implementation, config.data.max_seq_len)

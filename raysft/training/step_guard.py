@@ -22,14 +22,11 @@ import torch
 import torch.distributed as dist
 
 from raysft.config import TrainLoopConfig
+from raysft.errors import TrainingDivergedError
 
 LOSS_SPIKE_WINDOW = 32  # applied steps whose median loss a spike is measured against
 LOSS_SPIKE_MIN_HISTORY = 8  # the guard waits for this many applied steps (the first losses fall fast)
 
-
-class TrainingDivergedError(RuntimeError):
-    """train.max_skipped_steps steps in a row were skipped; the message names the step and what was wrong. The
-    run ends (no restart would change it); its checkpoints are those of steps before the skips."""
 
 
 class StepGuard:

@@ -1,5 +1,5 @@
-"""The Ray edge, on the driver: prepare the launch (raysft.prelaunch), join or start a Ray, check that it can place
-the workers, and run a TorchTrainer whose workers run raysft.ray_worker.train_worker; the driver's stop request
+"""The Ray edge, on the driver: prepare the launch (raysft.launch.prelaunch), join or start a Ray, check that it can
+place the workers, and run a TorchTrainer whose workers run raysft.launch.ray_worker.train_worker; the driver's stop request
 (SIGTERM) reaches them through a StopFlag actor, and an error every worker raised alike comes back through the run
 directory to be raised here."""
 
@@ -23,11 +23,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.config.checks import check_hsdp_shard_size_fits_nodes
-from raysft.lease import RunLease
-from raysft.local_ray import check_reachable, connect
-from raysft.prelaunch import Stores, prepare_launch
-from raysft.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, NOT_RETRIED, train_worker
-from raysft.signals import DriverSignals
+from raysft.launch.lease import RunLease
+from raysft.launch.local_ray import check_reachable, connect
+from raysft.launch.prelaunch import Stores, prepare_launch
+from raysft.launch.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, NOT_RETRIED, train_worker
+from raysft.launch.signals import DriverSignals
 from raysft.storage import location
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
@@ -48,7 +48,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     Launching again with the same run.name and run.storage_path resumes from the run's latest complete checkpoint;
     the run's data, model and schedule must then be the same (ConfigError otherwise). `fresh` starts the run over
     and keeps the old run directory beside it, renamed. One launch at a time: while another live launch holds the
-    run (raysft.lease), this one raises RunInUse before it changes anything.
+    run (raysft.launch.lease), this one raises RunInUse before it changes anything.
     """
     check_reachable()  # a cluster in RAY_ADDRESS that nobody answers: named now, not after tokenizing
     lease = RunLease(config.run_dir)
@@ -89,7 +89,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     fatal_file.delete()
     signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: ray.get(stop_flag.request.remote()))
     try:
-        result = signals.run(trainer.fit)  # raises raysft.signals.Stopped on SIGTERM or Ctrl-C
+        result = signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
     except ControllerError as e:
         raise CannotPlaceWorkers(
             f"Ray could not start {s.min_workers or s.num_workers} workers of {worker_resources(s)} in "

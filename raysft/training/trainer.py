@@ -27,10 +27,19 @@ from raysft.data.dataloader import (
     token_budget_micro_batches,
 )
 from raysft.data.tokenizer import load_tokenizer
-from raysft.evaluation import Evaluator
-from raysft.lora import add_adapters, record
-from raysft.loss import install_chunked_loss, micro_batch_loss_sum
-from raysft.metrics import (
+from raysft.model.build import (
+    build_meta_model,
+    load_initial_weights,
+    load_model_config,
+    materialize,
+    tied_parameter_aliases,
+)
+from raysft.model.lora import add_adapters, record
+from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
+from raysft.parallel.fsdp import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
+from raysft.parallel.sequence import SequenceShard, model_batch
+from raysft.training.evaluation import Evaluator
+from raysft.training.metrics import (
     MetricsLogger,
     StepTotals,
     matmul_parameters,
@@ -38,17 +47,8 @@ from raysft.metrics import (
     peak_tflops,
     training_flops,
 )
-from raysft.model import (
-    build_meta_model,
-    load_initial_weights,
-    load_model_config,
-    materialize,
-    tied_parameter_aliases,
-)
-from raysft.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
-from raysft.parallelize import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
-from raysft.sequence_parallel import SequenceShard, model_batch
-from raysft.step_guard import StepGuard
+from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
+from raysft.training.step_guard import StepGuard
 
 
 def use_deterministic_kernels(device: torch.device) -> None:
@@ -181,8 +181,8 @@ class Trainer:
 
     def train_step(self, reduce_metrics: bool = True) -> dict:
         """One optimizer step over one global batch: forward/backward per micro-batch, clip, step unless the step
-        guard skips it on every rank (raysft.step_guard: its decision is the step's one wait for the device); the
-        metrics are kept until `reduce_metrics` (now, by default)."""
+        guard skips it on every rank (raysft.training.step_guard: its decision is the step's one wait for the
+        device); the metrics are kept until `reduce_metrics` (now, by default)."""
         t, ctx = self.cfg.train, self.ctx
         start = time.time()
         global_batch = self.sampler.next_batch()

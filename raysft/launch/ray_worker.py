@@ -1,6 +1,6 @@
 """The worker side of the Ray edge: the function every Ray Train worker runs, and the adapters that give the
-Ray-free training loop (raysft.trainer) Ray's context, checkpoint registration, reports, preemption notices and the
-driver's stop request. Nothing here runs on the driver; raysft.launch starts the workers with `train_worker`.
+Ray-free training loop (raysft.training.trainer) Ray's context, checkpoint registration, reports, preemption
+notices and the driver's stop request. Nothing here runs on the driver; raysft.launch.ray_driver starts the workers with `train_worker`.
 
 Checkpoints on a local or shared (NFS) run.storage_path are written once, by the workers, straight into the run
 directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpoint's
@@ -31,9 +31,9 @@ from raysft.checkpoint import (
     scratch_root,
 )
 from raysft.config import ConfigError, TrainConfig, config_from_dict
-from raysft.step_guard import TrainingDivergedError
 from raysft.storage import location, use_filesystem
-from raysft.trainer import Trainer, WorkerContext, resume_trainer
+from raysft.training.step_guard import TrainingDivergedError
+from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
 # Raised on every rank at the same point and certain to happen again after a restart: the workers end the run
 # cleanly, rank 0 leaving the error in this file for the driver to raise, instead of Ray retrying it

@@ -1,0 +1,10 @@
+"""The Hugging Face format, read and written in one place: model directories, safetensors files and their index,
+each rank's slices of them, exported models and peft adapters.
+
+Modules, by role:
+  files     checks on a model or tokenizer directory before transformers reads it (no code, sound headers)
+  shards    a model's tensors over files of about 5 GiB: the one reader and writer of `*.safetensors.index.json`
+  weights   each rank's slices of named tensors, read from safetensors files into sharded parameters
+  export    a checkpoint (full or sharded) -> a model directory `from_pretrained` loads
+  adapters  a LoRA checkpoint -> a peft adapter directory, or merged into its base; loading what that writes
+"""

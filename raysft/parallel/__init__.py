@@ -1,0 +1,11 @@
+"""Parallelism: where each rank sits (one layout object), FSDP2 applied in one place, sequence parallelism, and the
+one-value collectives the ranks agree through.
+
+Modules, by role:
+  layout       ParallelDims: the config and the cluster's topology -> the data-parallel and sequence-parallel
+               groups, validated once; builds the device mesh and answers every "which group am I in"
+  fsdp         the dtype policy and FSDP2 (`fully_shard`) for each sharding strategy, compile, activation
+               checkpointing: applied in one fixed order
+  sequence     Ulysses sequence parallelism: each rank's part of every packed row, attention over the whole row
+  collectives  all/any/count over ranks, a value computed on rank 0 and shared
+"""

@@ -1,0 +1,10 @@
+"""The training loop and what it needs beside the model: the optimizer, the step guard, evaluation, metrics.
+
+Modules, by role:
+  trainer      the loop: batch -> forward -> backward -> clip -> step -> log -> maybe checkpoint
+  optim        AdamW, the learning-rate schedule, the fp16 loss scaler
+  step_guard   whether a step may change the model (non-finite or spiking loss or gradient norm)
+  evaluation   the loss over the eval store, on every worker, without gradients
+  metrics      rank 0's per-step metrics.jsonl and progress line
+  trackers     TensorBoard, MLflow, W&B beside metrics.jsonl (optional extras)
+"""
