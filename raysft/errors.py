@@ -47,3 +47,15 @@ class TrainingDivergedError(RuntimeError):
 
 
 RUN_ENDING: tuple[type[Exception], ...] = (ConfigError, CheckpointSaveError, TrainingDivergedError)
+
+
+def run_ending_type(name: str) -> type[Exception]:
+    """The RUN_ENDING class (or subclass) of that name: how an error written down by a worker is raised again on
+    the driver as what it was."""
+    todo = list(RUN_ENDING)
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name:
+            return cls
+        todo.extend(cls.__subclasses__())
+    raise KeyError(name)

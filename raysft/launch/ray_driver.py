@@ -1,7 +1,7 @@
 """The Ray edge, on the driver: prepare the launch (raysft.launch.prelaunch), join or start a Ray, check that it can
-place the workers, and run a TorchTrainer whose workers run raysft.launch.ray_worker.train_worker; the driver's stop request
-(SIGTERM) reaches them through a StopFlag actor, and an error every worker raised alike comes back through the run
-directory to be raised here."""
+place the workers, and run a TorchTrainer whose workers run raysft.launch.ray_worker.train_worker; the driver's stop
+request (SIGTERM) reaches them through a StopFlag actor, and an error every worker raised alike comes back through
+the run directory to be raised here."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.config.checks import check_hsdp_shard_size_fits_nodes
+from raysft.errors import run_ending_type
 from raysft.launch.lease import RunLease
 from raysft.launch.local_ray import check_reachable, connect
 from raysft.launch.prelaunch import Stores, prepare_launch
-from raysft.launch.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, NOT_RETRIED, train_worker
+from raysft.launch.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, train_worker
 from raysft.launch.signals import DriverSignals
 from raysft.storage import location
 
@@ -99,7 +100,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             f"start with fewer, or wait longer. Ray's error: {e.controller_failure}") from e
     if fatal_file.is_file():
         fatal = json.loads(fatal_file.read_text())
-        raise next(t for t in NOT_RETRIED if t.__name__ == fatal["type"])(fatal["message"])
+        raise run_ending_type(fatal["type"])(fatal["message"])
     return result
 
 

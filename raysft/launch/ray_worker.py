@@ -1,6 +1,7 @@
 """The worker side of the Ray edge: the function every Ray Train worker runs, and the adapters that give the
 Ray-free training loop (raysft.training.trainer) Ray's context, checkpoint registration, reports, preemption
-notices and the driver's stop request. Nothing here runs on the driver; raysft.launch.ray_driver starts the workers with `train_worker`.
+notices and the driver's stop request. Nothing here runs on the driver; raysft.launch.ray_driver starts the workers
+with `train_worker`.
 
 Checkpoints on a local or shared (NFS) run.storage_path are written once, by the workers, straight into the run
 directory, and registered with Ray where they lie (`checkpoint_upload_mode=NO_UPLOAD`, raysft.checkpoint's
@@ -20,9 +21,7 @@ from ray.train import Checkpoint
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from raysft.checkpoint import (
-    CheckpointSaveError,
     DirectorySink,
-    NonFiniteStateError,
     ScratchSink,
     Sink,
     checkpoint_name,
@@ -30,15 +29,11 @@ from raysft.checkpoint import (
     existing_checkpoint_names,
     scratch_root,
 )
-from raysft.config import ConfigError, TrainConfig, config_from_dict
+from raysft.config import TrainConfig, config_from_dict
+from raysft.errors import RUN_ENDING
 from raysft.storage import location, use_filesystem
-from raysft.training.step_guard import TrainingDivergedError
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
-# Raised on every rank at the same point and certain to happen again after a restart: the workers end the run
-# cleanly, rank 0 leaving the error in this file for the driver to raise, instead of Ray retrying it
-# scaling.max_failures times. (A restart would resume from the last checkpoint into the same divergence.)
-NOT_RETRIED = (ConfigError, CheckpointSaveError, NonFiniteStateError, TrainingDivergedError)
 FATAL_ERROR_FILE = "raysft_error.json"
 EVAL_SCORE = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by
 
@@ -55,7 +50,7 @@ def train_worker(loop_config: dict) -> None:
         eval_store = loop_config.get("eval_store")
         _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
                        stop_requested(loop_config["stop_flag"], worker.rank)).train()
-    except NOT_RETRIED as e:  # every rank is here: end the run, do not let Ray restart it into the same error
+    except RUN_ENDING as e:  # every rank is here: end the run, do not let Ray restart it into the same error
         if worker.rank == 0:
             (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
                 json.dumps({"type": type(e).__name__, "message": str(e)}))

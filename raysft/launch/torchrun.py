@@ -21,17 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raysft.checkpoint import DirectorySink, NonFiniteStateError, UploadSink, existing_checkpoint_names, scratch_root
+from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
 from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.errors import RUN_ENDING
 from raysft.launch.lease import RunInUse, RunLease
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.parallel.collectives import from_rank0
-from raysft.training.step_guard import TrainingDivergedError
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
-
-# Errors every rank raises at the same step, which no relaunch would change (under Ray: ray_worker.NOT_RETRIED)
-RUN_ENDING = (TrainingDivergedError, NonFiniteStateError)
 
 
 def main(argv: list[str] | None = None) -> int:
