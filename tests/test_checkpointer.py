@@ -248,3 +248,59 @@ def test_a_full_checkpoint_in_files_with_an_index_resumes_exports_and_loads_in_t
     shard = sorted(split.glob("optimizer-*.safetensors"))[1]
     shard.unlink()
     assert incomplete_reason(split) == f"{shard.name} is missing"
+
+
+def _resume_reads(ctx, run_dir: Path) -> dict:
+    """find_resume_dir on every rank, counting the bytes this rank hashed."""
+    from raysft.checkpoint import find_resume_dir
+    from raysft.storage import Location
+
+    read, real = [0], Location.sha256
+
+    def counting(self):
+        read[0] += self.size()
+        return real(self)
+
+    Location.sha256 = counting
+    try:
+        resume_dir, skipped = find_resume_dir(run_dir)
+    finally:
+        Location.sha256 = real
+    return {"resume": str(resume_dir), "skipped": skipped, "read": read[0]}
+
+
+def test_resume_shares_the_reading_of_the_checkpoint_over_the_ranks_and_every_rank_skips_a_tampered_one(
+        tmp_path, gloo_pool):
+    """Rank 0 alone used to hash every file of the checkpoint while the others waited in a broadcast: at 790 GiB,
+    tens of minutes per fault. Each rank now hashes about half the bytes, and a file tampered in either half is
+    found, the same reason on both ranks, and the resume falls back to the checkpoint before."""
+    cfg = run_config(tmp_path, "shared", **{"checkpoint.mode": "sharded", "train.max_steps": 2,
+                                            "checkpoint.every_n_steps": 1})
+    gloo_pool.run(launch, cfg)
+    latest = cfg.run_dir / "checkpoint_00000002"
+    total = sum(e["size"] for e in json.loads((latest / MANIFEST_FILE).read_text())["files"].values())
+    whole = gloo_pool.run(_resume_reads, cfg.run_dir)
+    assert [r["resume"] for r in whole] == [str(latest)] * 2 and all(r["skipped"] == [] for r in whole)
+    assert sum(r["read"] for r in whole) == total
+    assert max(r["read"] for r in whole) < 0.6 * total  # each rank about half, not rank 0 all of it
+
+    for shard in ("__0_0.distcp", "__1_0.distcp"):  # one in each rank's share (the two largest files)
+        broken = cfg.run_dir.parent / f"broken-{shard}"
+        shutil.copytree(cfg.run_dir, broken)
+        data = bytearray((broken / latest.name / shard).read_bytes())
+        data[-1] ^= 0xFF  # same size, other content
+        (broken / latest.name / shard).write_bytes(bytes(data))
+        after = gloo_pool.run(_resume_reads, broken)
+        reason = f"{shard} does not match its sha256 in the manifest"
+        assert [r["resume"] for r in after] == [str(broken / "checkpoint_00000001")] * 2, after
+        assert all(r["skipped"] == [(str(broken / latest.name), reason)] for r in after), after
+
+
+def test_files_are_shared_by_size_the_same_way_on_every_rank():
+    from raysft.checkpoint.manifest import share_by_size
+
+    files = {n: {"size": s} for n, s in [("a", 10), ("b", 70), ("c", 30), ("d", 30), ("e", 5)]}
+    shares = share_by_size(files, list(files), 2)
+    assert shares == [["b", "e"], ["a", "c", "d"]]  # 75 and 70 bytes, each share in manifest order
+    assert share_by_size(files, list(files), 1) == [list(files)]
+    assert share_by_size(files, ["a"], 3) == [["a"], [], []]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raysft.checkpoint.manifest import incomplete_reason
-from raysft.parallel.collectives import from_rank0
+import torch.distributed as dist
+
+from raysft.checkpoint.manifest import hash_problem, listed_and_sized, share_by_size, to_hash
+from raysft.parallel.collectives import first_of_ranks, from_rank0
 from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
@@ -29,23 +31,38 @@ def checkpoint_dirs(run_dir: Path | Location) -> list[Path | Location]:
 
 def find_resume_dir(run_dir: Path | Location) -> tuple[Path | Location | None, list[tuple[str, str]]]:
     """Collective: the run's newest complete checkpoint, and the (path, reason) of each newer, incomplete one
-    skipped. Rank 0 checks each against its manifest; None if there is none (a fresh start).
+    skipped; None if there is none (a fresh start).
 
     Complete is what counts, not registered with Ray: a worker that dies just after a save can take Ray's record
     of it along, but its directory, with every file its manifest lists, is a whole checkpoint, and starting from an
     older one would lose the steps between.
     """
-    def newest_complete() -> tuple[str | None, list[tuple[str, str]]]:
-        skipped = []
-        for candidate in reversed(checkpoint_dirs(run_dir)):
-            reason = incomplete_reason(candidate)
-            if reason is None:
-                return candidate.name, skipped
-            skipped.append((str(candidate), reason))
-        return None, skipped
+    skipped = []
+    for name in from_rank0(lambda: [d.name for d in reversed(checkpoint_dirs(run_dir))]):
+        candidate = run_dir / name
+        reason = verified_reason(candidate)
+        if reason is None:
+            return candidate, skipped
+        skipped.append((str(candidate), reason))
+    return None, skipped
 
-    name, skipped = from_rank0(newest_complete)
-    return (run_dir / name if name else None), skipped
+
+def verified_reason(ckpt_dir: Path | Location) -> str | None:
+    """Collective: why ckpt_dir is not a complete checkpoint (None if it is), as manifest.incomplete_reason says,
+    with the reading shared: rank 0 checks the manifest and the sizes, then every rank hashes its share of the
+    files (about the same bytes each), so a resume reads the checkpoint once over all ranks rather than through
+    rank 0 while the others wait. Every rank gets the same answer: the first problem by rank."""
+    ckpt = location(ckpt_dir)
+
+    def plan() -> tuple[dict, str | None, list[list[str]]]:
+        files, problem = listed_and_sized(ckpt)
+        shares = [] if problem else share_by_size(files, to_hash(ckpt, files), dist.get_world_size())
+        return files, problem, shares
+
+    files, problem, shares = from_rank0(plan)
+    if problem:
+        return problem
+    return first_of_ranks(hash_problem(ckpt, files, shares[dist.get_rank()]))
 
 
 def existing_checkpoint_names(run_dir: Path | Location) -> frozenset[str]:

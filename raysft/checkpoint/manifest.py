@@ -49,26 +49,58 @@ def _manifest_files(ckpt: Location) -> tuple[dict, str | None]:
 
 def incomplete_reason(ckpt_dir: Path | Location, checksums: bool | None = None) -> str | None:
     """Why ckpt_dir is not a complete checkpoint (None if it is): the manifest is missing or unreadable, or a file
-    it lists is missing, of another size or (with checksums) of other content.
+    it lists is missing, of another size or (with checksums) of other content. One process reads every hashed
+    file; a resume shares that reading over the ranks (raysft.checkpoint.discovery).
 
     checksums None: every file's on local storage; on remote storage only the small files', since hashing the
     payload would read the whole checkpoint through one process. An object store never shows a partly written
     object, and a full checkpoint's payload is checked as rank 0 downloads it (full.local_copy).
     """
     ckpt = location(ckpt_dir)
+    files, problem = listed_and_sized(ckpt)
+    return problem or hash_problem(ckpt, files, to_hash(ckpt, files, checksums))
+
+
+def listed_and_sized(ckpt: Location) -> tuple[dict, str | None]:
+    """The manifest's listing, and the first problem short of hashing: no manifest, a listed file missing or of
+    another size. Reads the manifest and one directory listing, never a file's contents."""
     files, problem = _manifest_files(ckpt)
     if problem:
-        return problem
+        return {}, problem
     sizes = ckpt.files()
     for name, entry in files.items():
         if name not in sizes:
-            return f"{name} is missing"
+            return files, f"{name} is missing"
         if sizes[name] != entry["size"]:
-            return f"{name} has {sizes[name]} bytes, the manifest says {entry['size']}"
-        hashed = checksums if checksums is not None else ckpt.local is not None or not is_payload(name)
-        if hashed and (ckpt / name).sha256() != entry["sha256"]:
+            return files, f"{name} has {sizes[name]} bytes, the manifest says {entry['size']}"
+    return files, None
+
+
+def to_hash(ckpt: Location, files: dict, checksums: bool | None = None) -> list[str]:
+    """The listed files whose sha256 is checked (see incomplete_reason for checksums None), in manifest order."""
+    return [name for name in files
+            if (checksums if checksums is not None else ckpt.local is not None or not is_payload(name))]
+
+
+def hash_problem(ckpt: Location, files: dict, names: list[str]) -> str | None:
+    """The first of `names` whose content does not match its sha256 in the manifest (None if all do)."""
+    for name in names:
+        if (ckpt / name).sha256() != files[name]["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
     return None
+
+
+def share_by_size(files: dict, names: list[str], ranks: int) -> list[list[str]]:
+    """`names` dealt over `ranks` so that each reads about the same bytes: the largest first, each to the rank with
+    the fewest bytes so far (ties to the lowest rank), every share in manifest order. The same on every rank."""
+    shares: list[list[str]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for name in sorted(names, key=lambda n: -files[n]["size"]):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        shares[rank].append(name)
+        load[rank] += files[name]["size"]
+    order = {name: i for i, name in enumerate(names)}
+    return [sorted(share, key=order.__getitem__) for share in shares]
 
 
 def manifest_problem(manifest: object) -> str | None:

@@ -42,3 +42,11 @@ def from_rank0(compute: Callable[[], T]) -> T:
     box = [compute() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def first_of_ranks(value: T | None) -> T | None:
+    """Collective: the first rank's value that is not None (None if every rank's is): one answer for all when each
+    rank found its own (a problem in the files it checked, say)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return next((v for v in everyone if v is not None), None)
