@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import uuid
 from pathlib import Path
 
 import torch.distributed as dist
@@ -11,6 +14,8 @@ from raysft.parallel.collectives import first_of_ranks, from_rank0
 from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
+RUN_FILE = "raysft_run.json"  # what defines the run, recorded at its first launch (raysft.launch.prelaunch)
+RUN_ID_KEY = "run_id"  # in RUN_FILE: this run, not another of the same name started over with --fresh
 
 
 def checkpoint_name(step: int, taken: frozenset[str] | set[str] = frozenset()) -> str:
@@ -65,7 +70,26 @@ def verified_reason(ckpt_dir: Path | Location) -> str | None:
     return first_of_ranks(hash_problem(ckpt, files, shares[dist.get_rank()]))
 
 
+def step_of(ckpt_dir: Path | Location) -> int:
+    """The step a checkpoint directory holds, from its name (checkpoint_<step>[.n])."""
+    return int(ckpt_dir.name[len(CHECKPOINT_PREFIX):].split(".")[0])
+
+
 def existing_checkpoint_names(run_dir: Path | Location) -> frozenset[str]:
     """Collective: the checkpoint directories already in the run (rank 0 looks), fixed for this launch."""
     return frozenset(from_rank0(lambda: [p.name for p in checkpoint_dirs(run_dir)]))
 
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def read_run_id(run_dir: Path | Location) -> str:
+    """The run's id from RUN_FILE; a run recorded before ids were (no RUN_ID_KEY) gets one made of its record and
+    directory, the same at every launch."""
+    record = (location(run_dir) / RUN_FILE).read_text()
+    recorded = json.loads(record).get(RUN_ID_KEY)
+    if isinstance(recorded, str) and recorded.isalnum():
+        return recorded
+    return "r" + hashlib.sha256(f"{run_dir}\n{record}".encode()).hexdigest()[:31]

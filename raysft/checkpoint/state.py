@@ -58,7 +58,12 @@ def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Trai
     objs.hf_config.save_pretrained(out_dir)
     objs.tokenizer.save_pretrained(out_dir)
     save_file(rng, out_dir / RNG_FILE)
-    (out_dir / STATE_FILE).write_text(json.dumps({
+    (out_dir / STATE_FILE).write_text(json.dumps(trainer_state_dict(mode, objs, state), indent=1))
+
+
+def trainer_state_dict(mode: str, objs: TrainingObjects, state: TrainState) -> dict:
+    """Everything but the tensors that a resume needs, as JSON values: what trainer_state.json holds."""
+    return {
         "format_version": FORMAT_VERSION,
         "mode": mode,
         "step": state.step,
@@ -70,7 +75,7 @@ def write_run_files(out_dir: Path, mode: str, objs: TrainingObjects, state: Trai
         "skipped_steps": state.skipped_steps,
         "step_guard": objs.guard.state_dict(),
         **({"lora": objs.lora} if objs.lora else {}),
-    }, indent=1))
+    }
 
 
 def read_trainer_state(ckpt_dir: Path | Location) -> dict:

@@ -83,6 +83,12 @@ def check_checkpoint(c: CheckpointConfig) -> None:
     _require(c.every_n_steps > 0, "checkpoint.every_n_steps", f"must be > 0, got {c.every_n_steps}")
     _require(c.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.keep}")
     _require(c.keep_best >= 0, "checkpoint.keep_best", f"must be >= 0, got {c.keep_best}")
+    _require(c.memory_every_n_steps >= 0, "checkpoint.memory_every_n_steps",
+             f"must be >= 0 (0: no memory tier), got {c.memory_every_n_steps}")
+    _require(math.isfinite(c.memory_copy_mb_per_s) and c.memory_copy_mb_per_s >= 0, "checkpoint.memory_copy_mb_per_s",
+             f"must be a finite rate >= 0 (0: unbounded), got {c.memory_copy_mb_per_s}")
+    _require(bool(c.memory_dir) and not is_remote(c.memory_dir), "checkpoint.memory_dir",
+             f"must be a local directory (node-local shared memory, such as /dev/shm/raysft), got {c.memory_dir!r}")
 
 
 def check_data(d: DataConfig) -> None:

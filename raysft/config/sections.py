@@ -192,6 +192,15 @@ class CheckpointConfig:
     keep_best: int = 0
     """Instead of `keep`: the N checkpoints of lowest eval loss plus the latest (needs validation data); Ray's
     checkpoint_score_attribute "eval_loss". `raysft export RUN_DIR OUT --checkpoint best` exports the best."""
+    memory_every_n_steps: int = 0
+    """The memory tier (0: off): a snapshot of the whole training state in node-local host memory every N steps
+    (passed over while the previous one is still being written), each rank's part copied to another node, so that a
+    dead worker, node or job group resumes from the newest snapshot instead of the last stored checkpoint. Costs
+    host memory per node: about 4x that node's share of the weights and optimizer state (docs/RELIABILITY.md)."""
+    memory_dir: str = "/dev/shm/raysft"
+    """Where each node keeps the memory tier's snapshots: node-local shared memory, which outlives the workers."""
+    memory_copy_mb_per_s: float = 0.0
+    """The rate at which each rank sends its snapshot to its partner on another node (0: as fast as it goes)."""
 
 
 @dataclass

@@ -28,10 +28,10 @@ from raysft.checkpoint import (
     read_trainer_state,
 )
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
+from raysft.checkpoint.discovery import RUN_FILE
 from raysft.data.labels import stop_token_ids
 from raysft.hf import shards as hf_shards
 from raysft.hf.adapters import merged_weights, write_adapter
-from raysft.launch.prelaunch import RUN_FILE
 from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = hf_shards.index_name("model")

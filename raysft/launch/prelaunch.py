@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
+from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, new_run_id
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
@@ -29,7 +30,6 @@ from raysft.parallel.sequence import check_sequence_parallel
 from raysft.storage import Location, location, native
 from raysft.training.trackers import check_trackers
 
-RUN_FILE = "raysft_run.json"
 # Without these, a checkpoint's weights and data cursor would mean something else: another model, or another order
 # of the samples (the seed), so samples would be skipped or seen twice.
 RUN_DEFINING_KEYS = ("model.path", "model.config", "model.tokenizer", "train.seed")
@@ -105,7 +105,7 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     path = run_dir / RUN_FILE
     if path.is_file():
         recorded = json.loads(path.read_text())
-        changed = [k for k in {**recorded, **identity} if recorded.get(k) != identity.get(k)]
+        changed = [k for k in {**recorded, **identity} if k != RUN_ID_KEY and recorded.get(k) != identity.get(k)]
         if len(changed) > 1 and INIT_KEY in changed:  # it follows model.lora or model.path: those are named
             changed.remove(INIT_KEY)
         if changed:
@@ -122,7 +122,7 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
                 f"with --fresh (the old run is kept beside it as {run_dir.name}.replaced-<time>)")
         return native(moved) if moved else None
     run_dir.mkdir()
-    path.write_text(json.dumps(identity, indent=1))
+    path.write_text(json.dumps({**identity, RUN_ID_KEY: new_run_id()}, indent=1))
     return native(moved) if moved else None
 
 

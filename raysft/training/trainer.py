@@ -5,6 +5,7 @@ from)."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -15,6 +16,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, TrainState, find_resume_dir
+from raysft.checkpoint.discovery import read_run_id, step_of
+from raysft.checkpoint.memory import MemoryTier
 from raysft.config import TrainConfig
 from raysft.data.dataloader import (
     DataCursor,
@@ -36,6 +39,7 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
+from raysft.parallel.collectives import from_rank0
 from raysft.parallel.fsdp import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
 from raysft.parallel.sequence import SequenceShard, model_batch
 from raysft.training.evaluation import Evaluator
@@ -70,6 +74,8 @@ class WorkerContext:
     device: torch.device
     node_rank: int = 0
     """The worker's node (Ray numbers nodes by IP); HYBRID_SHARD derives its mesh from every worker's."""
+    node: str = ""
+    """The worker's node as the memory tier keeps its snapshots apart (Ray's node id; empty: this host's name)."""
 
 
 def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink,
@@ -126,11 +132,18 @@ class Trainer:
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
                                          preemption_deadline, stop_requested)
-        if resume_dir is None or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
+        self.memory = self._memory_tier() if cfg.checkpoint.memory_every_n_steps else None
+        snapshot = self._newer_snapshot(resume_dir) if self.memory else None
+        resuming = resume_dir is not None or snapshot is not None
+        if not resuming or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
             fallback = load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             if fallback:  # pretrained weights through rank 0's memory: say why, where the run's events are
                 self.log.event("weights_from_rank0", path=cfg.model.path, reason=fallback)
-        if resume_dir is not None:
+        if snapshot is not None:
+            self.state, held = self.memory.restore(*snapshot)
+            self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in held]
+            self.log.event("resume", step=self.state.step, tier="memory", world_size=ctx.world_size)
+        elif resume_dir is not None:
             self.state = self.checkpointer.load(resume_dir)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)
         else:
@@ -141,6 +154,32 @@ class Trainer:
                                    self.tokenizer.pad_token_id) if eval_store else None
         self.dataset = TokenizedDataset(store)
         self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
+
+    def _memory_tier(self) -> MemoryTier:
+        """Collective: the memory tier of this run on this worker's node. Under HYBRID_SHARD and NO_SHARD the
+        replicas of a shard (same place in the "shard" dimension of the mesh) hold the same values."""
+        cfg, rank = self.cfg, self.ctx.rank
+        replicated = self.mesh.ndim == 2 and self.mesh.size(0) > 1
+        shard = self.mesh.size(self.mesh.ndim - 1)
+        run_id = from_rank0(lambda: read_run_id(cfg.run_dir))
+        layout = f"{cfg.parallel.sharding} mesh {tuple(self.mesh.shape)} sequence {cfg.parallel.sequence_parallel}"
+        c = cfg.checkpoint
+        return MemoryTier(self.objs, c.memory_every_n_steps, c.memory_dir, run_id,
+                          self.ctx.node or socket.gethostname(), layout, rank % shard if replicated else rank,
+                          replicated, c.memory_copy_mb_per_s, log=self.log)
+
+    def _newer_snapshot(self, resume_dir: Path | None) -> tuple | None:
+        """Collective: (step, sources) of the memory tier's newest whole step if it is newer than the stored
+        checkpoint to resume from; else None, with the reason in the log when a snapshot was looked for."""
+        stored = step_of(resume_dir) if resume_dir is not None else 0
+        step, why, sources = self.memory.newest_whole()
+        if step is not None and step > stored:
+            return step, sources
+        if step is not None:
+            why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {step}"
+        if resume_dir is not None or step is not None:
+            self.log.event("memory_tier_not_used", reason=why, stored_step=stored)
+        return None
 
     def train(self) -> dict:
         t = self.cfg.train
@@ -168,11 +207,15 @@ class Trainer:
                 self.checkpointer.save(self.state, metrics, urgent=due.urgent)
             elif report:
                 self.sink.report({**metrics, "step": step}, step)
+            if self.memory is not None:
+                self.memory.snapshot(self.state, self.totals.rows)
             if self.stopped:
                 self.log.event("stopped", step=step, reason="SIGTERM", hint="launch again to continue")
                 break
             self.checkpointer.poll(step)
         self.checkpointer.finish(self.state.step)
+        if self.memory is not None:  # ended by the launch itself: the stored checkpoint is the newest
+            self.memory.close(remove=True)
         if self.state.step < t.max_steps and not self.stopped:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")

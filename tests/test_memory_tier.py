@@ -1,0 +1,147 @@
+"""The memory tier (checkpoint.memory_every_n_steps) under plain torch.distributed: a reused pair of gloo processes
+stands in for two nodes, each rank on a node of its own (WorkerContext.node), with the snapshots in tmp_path rather
+than /dev/shm. A worker killed mid-run is a real process death (the pool starts fresh processes); a lost node is
+its directory of snapshots gone."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import STEPS, run_config, step_losses
+from safetensors.torch import load_file
+
+import raysft
+from raysft.checkpoint import checkpoint_dirs
+from raysft.checkpoint.discovery import RUN_FILE, read_run_id
+from raysft.launch.torchrun import launch
+from raysft.training.metrics import read_metrics
+
+FAULT_AT = 8  # persistent checkpoints at 3, 6, 9, 12: a fault after step 8 loses 2 steps without the tier
+
+
+def memory_config(tmp_path: Path, name: str, **sets):
+    return run_config(tmp_path, name, **{"checkpoint.mode": "full", "checkpoint.memory_every_n_steps": 1,
+                                         "checkpoint.memory_dir": str(tmp_path / "shm"), **sets})
+
+
+def launch_on_own_node(ctx, cfg, fresh: bool = False, die_after: int = 0) -> dict:
+    """A launch with each rank on a node of its own; with die_after, rank 1's process dies as step die_after + 1
+    begins, once the snapshot of step die_after is written and copied (rank 0 then waits in the step's collective
+    until the pool ends it)."""
+    from raysft.training.trainer import Trainer
+
+    ctx.node = f"node{ctx.rank}"
+    real_step = Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        if die_after and self.state.step == die_after:
+            self.memory.finish()
+            if ctx.rank == 1:
+                os._exit(9)
+        return real_step(self, *args, **kwargs)
+
+    Trainer.train_step = train_step
+    try:
+        return launch(ctx, cfg, fresh)
+    finally:
+        Trainer.train_step = real_step
+
+
+def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    raysft.export(checkpoint_dirs(run_dir)[-1], out)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(gloo_pool, tmp_path_factory):
+    """The uninterrupted run without the memory tier: what every run below must equal, bit for bit."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
+    gloo_pool.run(launch, cfg)
+    return step_losses(cfg.run_dir), final_weights(cfg.run_dir, tmp / "hf")
+
+
+def node_dir(cfg, node: str) -> Path:
+    return Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir) / node
+
+
+def assert_same_run(cfg, reference, out: Path) -> None:
+    ref_losses, ref_weights = reference
+    last = dict(step_losses(cfg.run_dir))  # a step trained twice (before the fault and after) counts once
+    assert sorted(last.items()) == ref_losses
+    weights = final_weights(cfg.run_dir, out)
+    assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
+def test_snapshots_every_step_change_nothing_and_leave_nothing_behind(tmp_path, gloo_pool, reference):
+    cfg = memory_config(tmp_path, "every-step")
+    gloo_pool.run(launch_on_own_node, cfg)
+    assert_same_run(cfg, reference, tmp_path / "hf")
+    assert not any((tmp_path / "shm").iterdir())  # the run ended: its snapshots went with it
+    assert json.loads((cfg.run_dir / RUN_FILE).read_text())["run_id"].isalnum()
+
+
+def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_losing_no_step(
+        tmp_path, gloo_pool, reference):
+    """Rank 1 dies after step 8; its node's snapshots are gone with it. The relaunch finds step 8 whole (rank 0's
+    part on node 0, rank 1's in the copy node 0 received), rank 1 gets its part sent over, and the run goes on
+    from step 8 (not from the stored checkpoint of step 6) to the uninterrupted run's losses and weights."""
+    cfg = memory_config(tmp_path, "node-lost")
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+    held = sorted(p.relative_to(node_dir(cfg, "node0")).as_posix()
+                  for p in node_dir(cfg, "node0").rglob("rank_*.safetensors"))
+    assert f"step_{FAULT_AT:08d}/rank_0.safetensors" in held and f"step_{FAULT_AT:08d}/rank_1.safetensors" in held
+    shutil.rmtree(node_dir(cfg, "node1"))  # the node is lost with its memory
+
+    gloo_pool.run(launch_on_own_node, cfg)
+    resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
+    assert resumes == [{**resumes[0], "step": FAULT_AT, "tier": "memory"}]
+    assert_same_run(cfg, reference, tmp_path / "hf")
+    assert not (tmp_path / "shm" / read_run_id(cfg.run_dir)).exists()
+
+
+def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_log_says_why(tmp_path, gloo_pool,
+                                                                                               reference):
+    cfg = memory_config(tmp_path, "both-lost")
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+    for node in ("node0", "node1"):  # rank 1's part of every step held: the copy on node 0 and its own
+        for path in node_dir(cfg, node).glob("step_*/rank_1.safetensors"):
+            path.unlink()
+    torn = node_dir(cfg, "node1") / f"step_{FAULT_AT:08d}" / "rank_1.safetensors"
+    shutil.copy(node_dir(cfg, "node0") / f"step_{FAULT_AT:08d}" / "rank_0.safetensors", torn)
+    torn.write_bytes(torn.read_bytes()[:1000])  # a file cut off (by a kill mid-write, say) is no part
+
+    gloo_pool.run(launch_on_own_node, cfg)
+    records = read_metrics(cfg.run_dir)
+    not_used = [m for m in records if m.get("event") == "memory_tier_not_used"]
+    assert len(not_used) == 1 and not_used[0]["reason"].startswith("no node holds rank 1's part of step")
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
+    assert_same_run(cfg, reference, tmp_path / "hf")
+
+
+def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots(tmp_path, gloo_pool):
+    cfg = memory_config(tmp_path, "fresh", **{"train.max_steps": 4, "checkpoint.every_n_steps": 100})
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_on_own_node, cfg, False, 2)
+    old_id = read_run_id(cfg.run_dir)
+    assert list((tmp_path / "shm" / old_id).rglob("rank_*.safetensors"))
+    gloo_pool.run(launch_on_own_node, cfg, True)  # --fresh: the old run is kept aside, a new one starts
+    records = read_metrics(cfg.run_dir)
+    assert read_run_id(cfg.run_dir) != old_id
+    assert not [m for m in records if m.get("event") == "resume"] and records[0]["event"] == "start"
+
+
+def test_partners_are_the_same_place_on_the_next_node():
+    from raysft.checkpoint.memory import partners
+
+    two_by_two = ["a", "a", "b", "b"]
+    assert [partners(two_by_two, r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+    three = ["a", "b", "c"]
+    assert [partners(three, r) for r in range(3)] == [(1, 2), (2, 0), (0, 1)]
+    assert partners(["a", "a"], 1) == (None, None)
+    assert STEPS == 12
