@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 import ray
 from ray.train import (
@@ -19,7 +20,10 @@ from ray.train import (
     ScalingConfig,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysft.checkpoint.discovery import read_run_id
+from raysft.checkpoint.memory import remove_run
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.config.checks import check_hsdp_shard_size_fits_nodes
@@ -98,10 +102,31 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             f"{s.placement_timeout_s:g}): the cluster has the resources in total, but they stayed taken (other "
             "jobs, or nodes gone). Free them or add nodes, lower scaling.num_workers, set scaling.min_workers to "
             f"start with fewer, or wait longer. Ray's error: {e.controller_failure}") from e
+    finally:
+        if config.checkpoint.memory_every_n_steps:  # however the run ended, its snapshots in memory go
+            remove_snapshots(config)
     if fatal_file.is_file():
         fatal = json.loads(fatal_file.read_text())
         raise run_ending_type(fatal["type"])(fatal["message"])
     return result
+
+
+def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:
+    """The memory tier's snapshots of the run (raysft.checkpoint.memory), on every node Ray has alive: they are
+    of no use once the run ended, and node-local shared memory is not freed by anyone else."""
+    run_id = read_run_id(config.run_dir)
+    on_node = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in ray.nodes() if node["Alive"]]
+    tasks = [_remove_run_snapshots.options(scheduling_strategy=strategy).remote(config.checkpoint.memory_dir, run_id)
+             for strategy in on_node]
+    _, unfinished = ray.wait(tasks, num_returns=len(tasks), timeout=timeout_s)
+    if unfinished:
+        print(f"raysft: warning: {len(unfinished)} node(s) did not remove the run's snapshots from "
+              f"{config.checkpoint.memory_dir}/{run_id} within {timeout_s:g} s", file=sys.stderr)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _remove_run_snapshots(memory_dir: str, run_id: str) -> None:
+    remove_run(memory_dir, run_id)
 
 
 @ray.remote(num_cpus=0)

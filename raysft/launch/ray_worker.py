@@ -99,7 +99,8 @@ def _build_trainer(cfg: TrainConfig, store: Path, worker: WorkerContext, eval_st
 def ray_worker_context() -> WorkerContext:
     ctx = ray.train.get_context()
     return WorkerContext(rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                         device=ray.train.torch.get_device(), node_rank=ctx.get_node_rank())
+                         device=ray.train.torch.get_device(), node_rank=ctx.get_node_rank(),
+                         node=ray.get_runtime_context().get_node_id())
 
 
 def ray_preemption_deadline() -> float | None:

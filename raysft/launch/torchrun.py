@@ -12,6 +12,7 @@ rank checkpoints the step it is at first; torchrun's agent forwards the signal t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -22,12 +23,15 @@ import torch
 import torch.distributed as dist
 
 from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
+from raysft.checkpoint.discovery import RUN_FILE, read_run_id
+from raysft.checkpoint.memory import remove_run
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.errors import RUN_ENDING
 from raysft.launch.lease import RunInUse, RunLease
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.parallel.collectives import from_rank0
+from raysft.storage import location
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
 
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
     args = parser.parse_args(argv)
     ctx = init_distributed()
-    code, agreed = 1, False
+    code, agreed, config = 1, False, None
     try:
         config = load_config(args.config, args.overrides)
         signals = WorkerSignals(config.run.stop_grace_s)
@@ -62,8 +66,18 @@ def main(argv: list[str] | None = None) -> int:
             print(stop_message(signal.SIGINT, None, None).splitlines()[0], file=sys.stderr)
         code = EXIT_SIGINT
     finally:
-        end_distributed(agreed=agreed or code in (0, 2, EXIT_SIGTERM))
+        agreed = agreed or code in (0, 2, EXIT_SIGTERM)
+        if config is not None and ((agreed and code != 2) or code == EXIT_SIGINT):  # ended, not a crash to restart
+            remove_snapshots(config)
+        end_distributed(agreed=agreed)
     return code
+
+
+def remove_snapshots(config: TrainConfig) -> None:
+    """This host's memory-tier snapshots of the run (raysft.checkpoint.memory), once the run ended."""
+    if config.checkpoint.memory_every_n_steps and (location(config.run_dir) / RUN_FILE).is_file():
+        with contextlib.suppress(OSError, ValueError):  # an unreadable record: nothing of ours to find
+            remove_run(config.checkpoint.memory_dir, read_run_id(config.run_dir))
 
 
 def end_distributed(agreed: bool) -> None:
