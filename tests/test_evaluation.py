@@ -20,7 +20,7 @@ from raysft.config import ConfigError, load_config
 from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
 from raysft.data.store import write_samples
 from raysft.data.tokenizer import load_tokenizer
-from raysft.parallel.sequence import SequenceShard
+from raysft.parallel.layout import SequenceShard
 from raysft.training.evaluation import Evaluator
 
 

@@ -23,7 +23,8 @@ from torch import nn
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, to_device
 from raysft.model.loss import micro_batch_loss_sum
-from raysft.parallel.sequence import SequenceShard, model_batch
+from raysft.parallel.layout import SequenceShard
+from raysft.parallel.sequence import model_batch
 
 
 class Evaluator:

@@ -36,8 +36,9 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
-from raysft.parallel.fsdp import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
-from raysft.parallel.sequence import SequenceShard, model_batch
+from raysft.parallel.fsdp import parallelize
+from raysft.parallel.layout import ParallelDims, gather_node_ranks
+from raysft.parallel.sequence import model_batch
 from raysft.training.evaluation import Evaluator
 from raysft.training.metrics import (
     MetricsLogger,
@@ -98,9 +99,9 @@ class Trainer:
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
-        shape = mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
-        self.mesh, self.sequence_group = build_mesh(shape, ctx.device.type), sequence_group(shape)
-        self.shard = SequenceShard.of(ctx.rank, ctx.world_size, cfg.parallel.sequence_parallel)
+        self.dims = ParallelDims.from_config(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
+        self.mesh, self.sequence_group = self.dims.build_mesh(ctx.device.type), self.dims.sequence_group()
+        self.shard = self.dims.place(ctx.rank)
         if t.deterministic:
             use_deterministic_kernels(ctx.device)
         torch.manual_seed(t.seed + ctx.rank)  # each rank's own stream (dropout); checkpoints carry it on
