@@ -21,10 +21,9 @@ from raysft.data.dataloader import (
     GlobalBatchSampler,
     TokenizedDataset,
     collate,
-    rank_micro_batches,
+    micro_batches,
     sample_lengths,
     to_device,
-    token_budget_micro_batches,
 )
 from raysft.data.tokenizer import load_tokenizer
 from raysft.model.build import (
@@ -237,11 +236,8 @@ class Trainer:
         previous one's backward. The workers of a sequence group take the same samples, each its own slice of
         them; the group's first counts their lengths in the metrics."""
         t, ctx, shard = self.cfg.train, self.ctx, self.shard
-        if t.micro_batch_tokens:
-            parts = token_budget_micro_batches(global_batch, self.dataset.num_tokens, shard.dp_rank, shard.dp_size,
-                                               t.micro_batch_tokens)
-        else:
-            parts = rank_micro_batches(global_batch, shard.dp_rank, shard.dp_size, t.micro_batch_size)
+        parts = micro_batches(global_batch, self.dataset.num_tokens, shard.dp_rank, shard.dp_size,
+                              t.micro_batch_size, t.micro_batch_tokens)
         for i, indices in enumerate(parts):
             batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
             sizes = sample_lengths(batch) if shard.sp_rank == 0 else []
