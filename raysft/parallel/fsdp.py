@@ -19,6 +19,7 @@ from raysft.config import ParallelConfig
 from raysft.model.build import decoder_layer_classes
 from raysft.parallel.sequence import apply_sequence_parallel
 
+# The dtypes by the names the configuration and `raysft export --dtype` use: the one table of them.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
