@@ -136,7 +136,7 @@ def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
     """FSDP2's layout (dim 0 split in equal padded pieces, the last ones short or empty) gathered straight into one
     padded tensor on rank 0: no other rank allocates anything, rank 0 the tensor once. Gathered in blocks of rows
     of about GATHER_BYTES: gloo receives a gather into a flat buffer of its own before copying it out, which for
-    the whole tensor at once doubled rank 0's peak (two copies of the largest tensor, the embedding)."""
+    the whole tensor at once would hold two copies of the largest tensor (the embedding) on rank 0."""
     world = dist.get_world_size(t.device_mesh.get_group())
     piece = -(-t.shape[0] // world)  # FSDP2 pads dim 0 to a multiple of the world size
     local = t.to_local()

@@ -2,8 +2,8 @@
 `{stem}-0000i-of-0000n.safetensors`, and `{stem}.safetensors.index.json` naming the file of every tensor. The
 model has the stem "model" (transformers, vLLM and the safetensors tools read the directory as any HF model); the
 optimizer state has the stem "optimizer", the same layout, so a rank resuming reads its slices of both the same
-way. What fits one group is one `{stem}.safetensors` and no index, the layout of every full checkpoint written
-before the files were split, which therefore still loads and exports.
+way. What fits one group is one `{stem}.safetensors` and no index, as save_pretrained writes a small model; both
+layouts load and export alike.
 
 SHARD_BYTES is transformers' own default for save_pretrained (5 GiB), so a 70B model's 280 GB of fp32 weights
 is some 53 files rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save
