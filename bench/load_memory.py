@@ -54,13 +54,14 @@ def _build(model_dir: str, pretrained: bool):
 
     from raysft.config import ModelConfig, ParallelConfig
     from raysft.model.build import build_meta_model, materialize
-    from raysft.parallel.fsdp import build_mesh, mesh_shape, parallelize
+    from raysft.parallel.fsdp import parallelize
+    from raysft.parallel.layout import ParallelDims
 
     config = AutoConfig.from_pretrained(model_dir)
     cfg = ModelConfig(path=model_dir if pretrained else "", config=model_dir)
     model = build_meta_model(config, "sdpa")
     parallel = ParallelConfig()
-    parallelize(model, build_mesh(mesh_shape(parallel, [0] * dist.get_world_size()), "cpu"), parallel)
+    parallelize(model, ParallelDims.from_config(parallel, [0] * dist.get_world_size()).build_mesh("cpu"), parallel)
     materialize(model, torch.device("cpu"))
     return model, cfg, config
 

@@ -60,7 +60,8 @@ def _worker(rank: int, n: int, init: str, args: argparse.Namespace, out: mp.Queu
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from raysft.model.loss import install_chunked_loss
-    from raysft.parallel.sequence import SequenceShard, apply_sequence_parallel, split_batch
+    from raysft.parallel.layout import SequenceShard
+    from raysft.parallel.sequence import apply_sequence_parallel, split_batch
 
     device = torch.device("cuda", rank) if args.gpu else torch.device("cpu")
     if args.gpu:

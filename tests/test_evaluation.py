@@ -18,9 +18,10 @@ from raysft.checkpoint import STATE_FILE
 from raysft.checkpoint.retention import to_prune
 from raysft.config import ConfigError, load_config
 from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
+from raysft.data.dataloader import micro_batches
 from raysft.data.store import write_samples
 from raysft.data.tokenizer import load_tokenizer
-from raysft.parallel.sequence import SequenceShard
+from raysft.parallel.layout import SequenceShard
 from raysft.training.evaluation import Evaluator
 
 
@@ -126,3 +127,18 @@ def test_every_rank_runs_as_many_eval_micro_batches_and_only_real_ones_count(tmp
             assert len(cuts[0][round_]) == len(cuts[1][round_])
         real = sorted(int(i) for rank in cuts for round_ in rank for idx, ok in round_ if ok for i in idx)
         assert real == [0, 1, 2, 3, 4]  # every sample once, on one rank
+
+
+def test_eval_cuts_a_round_into_micro_batches_as_training_cuts_a_step(tmp_path):
+    """With a token budget, each rank's eval micro-batches of a full round are the ones training would cut from a
+    global batch of those samples (raysft.data.dataloader.micro_batches), not a cut of their own."""
+    lengths = [3, 5, 2, 6, 4, 7, 1, 8]
+    store = tiny_store(tmp_path / "s", lengths)
+    cfg = load_config(None, ["data.packing=true", "train.micro_batch_tokens=8", "data.max_seq_len=8",
+                             "train.micro_batch_size=1", "train.global_batch_size=8"])
+    chunk = np.arange(8)
+    for rank in range(2):
+        evaluator = Evaluator(store, cfg, SequenceShard(rank, 2), torch.device("cpu"), 0)
+        trained = micro_batches(chunk, np.array(lengths), rank, 2, 1, 8)
+        assert [(i.tolist(), real) for i, real in evaluator._micro_batches(chunk)] == [(i.tolist(), True)
+                                                                                      for i in trained]

@@ -13,7 +13,8 @@ from raysft.config import LoraConfig, ModelConfig, ParallelConfig
 from raysft.hf.weights import local_part
 from raysft.model.build import build_meta_model, load_initial_weights, materialize
 from raysft.model.lora import add_adapters
-from raysft.parallel.fsdp import build_mesh, mesh_shape, parallelize
+from raysft.parallel.fsdp import parallelize
+from raysft.parallel.layout import ParallelDims
 
 SEED = 7
 # vocab and widths that no world size of 2 or 4 divides: uneven shards, and an empty one is possible
@@ -48,7 +49,7 @@ def _load(ctx, path: str, sharding: str, mixed_precision: str, lora_r: int) -> d
     parallel = ParallelConfig(sharding=sharding, mixed_precision=mixed_precision,
                               hsdp_shard_size=2 if sharding == "HYBRID_SHARD" else 0)
     model = add_adapters(build_meta_model(config, "sdpa"), model_cfg.lora)
-    parallelize(model, build_mesh(mesh_shape(parallel, [0] * ctx.world_size), "cpu"), parallel)
+    parallelize(model, ParallelDims.from_config(parallel, [0] * ctx.world_size).build_mesh("cpu"), parallel)
     materialize(model, torch.device("cpu"))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here on
     before = _vm_kib("VmRSS")
@@ -128,7 +129,7 @@ def _save_and_resume(ctx, path: str, out: Path) -> bool:
     config = AutoConfig.from_pretrained(path)
     model = build_meta_model(config, "sdpa")
     parallel = ParallelConfig()
-    parallelize(model, build_mesh(mesh_shape(parallel, [0] * ctx.world_size), "cpu"), parallel)
+    parallelize(model, ParallelDims.from_config(parallel, [0] * ctx.world_size).build_mesh("cpu"), parallel)
     materialize(model, torch.device("cpu"))
     load_initial_weights(model, ModelConfig(path=path), config, SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)

@@ -11,7 +11,9 @@ import pytest
 from conftest import cli_in_process, tiny_config
 
 from raysft.config import ConfigError, ModelConfig
-from raysft.hf.files import ModelDirError
+from raysft.errors import CheckpointError
+from raysft.hf.files import ModelDirError, weight_files
+from raysft.hf.shards import listed_files
 
 MARKER = "ran.txt"  # what the directory's code writes when it is imported
 
@@ -188,3 +190,19 @@ def test_an_adapter_directory_whose_base_asks_for_code_is_refused_by_chat(tmp_pa
     chat = cli_in_process("chat", str(adapter), "--prompt", "hi")
     assert chat.returncode == 1 and f"ModelDirError: {named}/config.json: auto_map asks" in chat.stderr
     assert "Do you wish" not in chat.stdout and not (d / MARKER).exists()
+
+
+@pytest.mark.parametrize("index, model_dir_message, checkpoint_message", [
+    ("[1, 2]", "holds a JSON list, not the object", "unreadable index: a JSON list, not an object"),
+    ('{"weight_map": {}}', "has no weight_map of tensor names to files", "has no weight_map of tensor names to files"),
+    ('{"weight_map": ', "not valid JSON", "unreadable index"),
+])
+def test_both_readers_of_an_index_refuse_a_broken_one_each_with_its_own_error(tmp_path, index, model_dir_message,
+                                                                              checkpoint_message):
+    """A model directory's index (raysft.hf.files) and a checkpoint's (raysft.hf.shards) are read by one parser,
+    each reader keeping its own error class: a model directory is the user's input, a checkpoint raysft's own."""
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ModelDirError, match=model_dir_message):
+        weight_files(tmp_path)
+    with pytest.raises(CheckpointError, match=checkpoint_message):
+        listed_files(tmp_path, "model")

@@ -3,21 +3,21 @@
 import pytest
 
 from raysft.config import ConfigError, ParallelConfig, load_config
-from raysft.config.checks import check_hsdp_shard_size_fits_nodes
-from raysft.parallel.fsdp import MeshShape, mesh_shape
+from raysft.parallel.layout import ParallelDims, check_hsdp_shard_size_fits_nodes
 
 
 @pytest.mark.parametrize("sharding, node_ranks, shard_size, expected", [
-    ("FULL_SHARD", [0, 0, 1, 1], 0, MeshShape(1, 4)),
-    ("SHARD_GRAD_OP", [0, 0], 0, MeshShape(1, 2)),
-    ("NO_SHARD", [0, 0, 1, 1], 0, MeshShape(4, 1)),
-    ("HYBRID_SHARD", [0, 0, 0, 0, 1, 1, 1, 1], 0, MeshShape(2, 4)),  # nodes × workers per node, from Ray
-    ("HYBRID_SHARD", [0, 0, 1, 1, 2, 2], 0, MeshShape(3, 2)),
-    ("HYBRID_SHARD", [0, 0, 0, 0], 2, MeshShape(2, 2)),              # logical nodes on one IP: explicit size
-    ("HYBRID_SHARD", [0, 0, 0, 0, 1, 1, 1, 1], 2, MeshShape(4, 2)),  # explicit size beats the node layout
+    ("FULL_SHARD", [0, 0, 1, 1], 0, ParallelDims(1, 4)),
+    ("SHARD_GRAD_OP", [0, 0], 0, ParallelDims(1, 2)),
+    ("NO_SHARD", [0, 0, 1, 1], 0, ParallelDims(4, 1)),
+    ("HYBRID_SHARD", [0, 0, 0, 0, 1, 1, 1, 1], 0, ParallelDims(2, 4)),  # nodes × workers per node, from Ray
+    ("HYBRID_SHARD", [0, 0, 1, 1, 2, 2], 0, ParallelDims(3, 2)),
+    ("HYBRID_SHARD", [0, 0, 0, 0], 2, ParallelDims(2, 2)),              # logical nodes on one IP: explicit size
+    ("HYBRID_SHARD", [0, 0, 0, 0, 1, 1, 1, 1], 2, ParallelDims(4, 2)),  # explicit size beats the node layout
 ])
 def test_mesh_shapes(sharding, node_ranks, shard_size, expected):
-    assert mesh_shape(ParallelConfig(sharding=sharding, hsdp_shard_size=shard_size), node_ranks) == expected
+    config = ParallelConfig(sharding=sharding, hsdp_shard_size=shard_size)
+    assert ParallelDims.from_config(config, node_ranks) == expected
 
 
 @pytest.mark.parametrize("node_ranks, message", [
@@ -28,7 +28,7 @@ def test_mesh_shapes(sharding, node_ranks, shard_size, expected):
 ])
 def test_hybrid_shard_layout_errors_name_the_key_and_the_fix(node_ranks, message):
     with pytest.raises(ConfigError, match=message) as e:
-        mesh_shape(ParallelConfig(sharding="HYBRID_SHARD"), node_ranks)
+        ParallelDims.from_config(ParallelConfig(sharding="HYBRID_SHARD"), node_ranks)
     assert "parallel.sharding" in str(e.value) and "parallel.hsdp_shard_size" in str(e.value)
 
 
@@ -74,4 +74,4 @@ def test_activation_checkpointing_accepts_an_integer_from_yaml():
 
 
 def test_mesh_dimension_names():
-    assert MeshShape(1, 4).names == ("shard",) and MeshShape(2, 2).names == ("replicate", "shard")
+    assert ParallelDims(1, 4).mesh_names == ("shard",) and ParallelDims(2, 2).mesh_names == ("replicate", "shard")

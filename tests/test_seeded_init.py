@@ -18,7 +18,8 @@ from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
 from raysft.model.build import build_full_model, build_meta_model, load_initial_weights, materialize
 from raysft.model.lora import add_adapters, record
 from raysft.model.seeded_init import INIT_SCHEME
-from raysft.parallel.fsdp import build_mesh, mesh_shape, parallelize
+from raysft.parallel.fsdp import parallelize
+from raysft.parallel.layout import ParallelDims
 
 SEED = 5
 LORA = LoraConfig(r=2)  # lora_A has 2 rows: on 4 ranks, ranks 2 and 3 hold empty shards of it
@@ -40,7 +41,7 @@ def _sharded_weights(ctx, variants: list[tuple[str, str, bool]]) -> dict:
         config, lora_cfg = _configs()[name], LORA if lora else LoraConfig()
         cfg = ParallelConfig(sharding=sharding, hsdp_shard_size=2 if sharding == "HYBRID_SHARD" else 0)
         model = add_adapters(build_meta_model(config, "sdpa"), lora_cfg)
-        parallelize(model, build_mesh(mesh_shape(cfg, [0] * ctx.world_size), "cpu"), cfg)
+        parallelize(model, ParallelDims.from_config(cfg, [0] * ctx.world_size).build_mesh("cpu"), cfg)
         materialize(model, torch.device("cpu"))
         load_initial_weights(model, ModelConfig(path="", lora=lora_cfg), config, SEED)
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -90,7 +91,7 @@ def _init_peak(ctx, config: LlamaConfig) -> dict:
 
     cfg = ParallelConfig(sharding="FULL_SHARD")
     model = build_meta_model(config, "sdpa")
-    parallelize(model, build_mesh(mesh_shape(cfg, [0] * ctx.world_size), "cpu"), cfg)
+    parallelize(model, ParallelDims.from_config(cfg, [0] * ctx.world_size).build_mesh("cpu"), cfg)
     materialize(model, torch.device("cpu"))
     with torch.no_grad():
         for p in model.parameters():

@@ -18,8 +18,8 @@ from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedData
 from raysft.data.tokenizer import load_tokenizer
 from raysft.model.build import load_model_config
 from raysft.model.loss import loss_inputs
-from raysft.parallel.fsdp import MeshShape, mesh_shape
-from raysft.parallel.sequence import SequenceShard, check_sequence_parallel, split_batch
+from raysft.parallel.layout import ParallelDims, SequenceShard
+from raysft.parallel.sequence import check_sequence_parallel, split_batch
 from raysft.training.metrics import read_metrics
 from raysft.training.trainer import Trainer, resume_trainer
 
@@ -170,7 +170,7 @@ def test_every_sample_goes_to_one_sequence_group_per_step():
     seen = []
     for _ in range(5):  # one epoch
         batch = sampler.next_batch()
-        shards = [SequenceShard.of(rank, 8, 4) for rank in range(8)]
+        shards = [ParallelDims(1, 2, 4).place(rank) for rank in range(8)]
         taken = [np.concatenate(rank_micro_batches(batch, s.dp_rank, s.dp_size, 2)) for s in shards]
         for rank in range(8):
             assert np.array_equal(taken[rank], taken[rank - rank % 4])
@@ -180,14 +180,14 @@ def test_every_sample_goes_to_one_sequence_group_per_step():
 
 def test_mesh_carves_the_sequence_dimension_out_of_the_shard_group():
     def shape(sharding, n, node_ranks, **kw):
-        return mesh_shape(ParallelConfig(sharding=sharding, sequence_parallel=n, **kw), node_ranks)
+        return ParallelDims.from_config(ParallelConfig(sharding=sharding, sequence_parallel=n, **kw), node_ranks)
 
-    assert shape("FULL_SHARD", 2, [0] * 4) == MeshShape(1, 2, 2)
-    assert shape("FULL_SHARD", 4, [0] * 4) == MeshShape(1, 1, 4)
-    assert shape("NO_SHARD", 2, [0] * 8) == MeshShape(4, 1, 2)
-    assert shape("HYBRID_SHARD", 2, [0] * 4 + [1] * 4) == MeshShape(2, 2, 2)
-    assert shape("HYBRID_SHARD", 2, [0] * 8, hsdp_shard_size=4) == MeshShape(2, 2, 2)
-    assert shape("FULL_SHARD", 1, [0] * 4).names == ("shard",)  # without it, the mesh FSDP always had
+    assert shape("FULL_SHARD", 2, [0] * 4) == ParallelDims(1, 2, 2)
+    assert shape("FULL_SHARD", 4, [0] * 4) == ParallelDims(1, 1, 4)
+    assert shape("NO_SHARD", 2, [0] * 8) == ParallelDims(4, 1, 2)
+    assert shape("HYBRID_SHARD", 2, [0] * 4 + [1] * 4) == ParallelDims(2, 2, 2)
+    assert shape("HYBRID_SHARD", 2, [0] * 8, hsdp_shard_size=4) == ParallelDims(2, 2, 2)
+    assert shape("FULL_SHARD", 1, [0] * 4).mesh_names == ("shard",)  # without it, the mesh FSDP always had
     with pytest.raises(ConfigError, match="sequence_parallel': 4 does not divide the shard group of 2"):
         shape("HYBRID_SHARD", 4, [0] * 2 + [1] * 2)
 

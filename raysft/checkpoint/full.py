@@ -59,9 +59,7 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
     if dist.get_rank() != 0:
         return run_now(lambda: None)
-    for alias in objs.aliases:
-        model_sd.pop(alias, None)
-    model = {k: v.contiguous() for k, v in model_sd.items()}
+    model = {k: v.contiguous() for k, v in _without_aliases(model_sd, objs.aliases).items()}
     tensors, scalars = _split_optimizer_state(optim_sd)
     optimizer_json = json.dumps({"param_groups": optim_sd["param_groups"], "scalars": scalars})
 
@@ -81,15 +79,34 @@ def save(out_dir: Path, objs: TrainingObjects, asynchronous: bool) -> Future:
 
 def _split_optimizer_state(optim_sd: dict) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """The optimizer state as the files hold it: tensors by "fqn/key" (optimizer.safetensors), the rest by the
-    same names (optimizer.json)."""
+    same names (optimizer.json); `_nest_optimizer_state` reads the names back."""
     tensors, scalars = {}, {}
     for fqn, param_state in optim_sd["state"].items():
         for key, value in param_state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{fqn}/{key}"] = value
-            else:
-                scalars[f"{fqn}/{key}"] = value
+            (tensors if isinstance(value, torch.Tensor) else scalars)[f"{fqn}/{key}"] = value
     return tensors, scalars
+
+
+def _nest_optimizer_state(flat: dict[str, object], state: dict[str, dict]) -> dict[str, dict]:
+    """The inverse of `_split_optimizer_state`: each "fqn/key" value into state[fqn][key]."""
+    for name, value in flat.items():
+        fqn, _, key = name.rpartition("/")
+        state.setdefault(fqn, {})[key] = value
+    return state
+
+
+def _without_aliases(model_sd: dict, aliases: dict[str, str]) -> dict:
+    """The state dict as the files hold it: a tied weight once, under its canonical name (safetensors stores no
+    shared tensor twice)."""
+    return {k: v for k, v in model_sd.items() if k not in aliases}
+
+
+def _restore_aliases(model_sd: dict, aliases: dict[str, str]) -> None:
+    """The tied weights' other names back, each the canonical tensor; a weight in no checkpoint (LoRA's frozen
+    tied weights) gets no alias either."""
+    for alias, canonical in aliases.items():
+        if canonical in model_sd:
+            model_sd[alias] = model_sd[canonical]
 
 
 class _Gathering(dict):
@@ -119,7 +136,7 @@ def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
     """FSDP2's layout (dim 0 split in equal padded pieces, the last ones short or empty) gathered straight into one
     padded tensor on rank 0: no other rank allocates anything, rank 0 the tensor once. Gathered in blocks of rows
     of about GATHER_BYTES: gloo receives a gather into a flat buffer of its own before copying it out, which for
-    the whole tensor at once doubled rank 0's peak (two copies of the largest tensor, the embedding)."""
+    the whole tensor at once would hold two copies of the largest tensor (the embedding) on rank 0."""
     world = dist.get_world_size(t.device_mesh.get_group())
     piece = -(-t.shape[0] // world)  # FSDP2 pads dim 0 to a multiple of the world size
     local = t.to_local()
@@ -139,8 +156,7 @@ def _gather_to_rank0(t: DTensor) -> torch.Tensor | None:
 
 def _save_streamed(out_dir: Path, objs: TrainingObjects) -> Future:
     options = state_dict_options(objs.model)  # sharded; LoRA: the adapters only
-    model = _Gathering((k, v) for k, v in get_model_state_dict(objs.model, options=options).items()
-                       if k not in objs.aliases)
+    model = _Gathering(_without_aliases(get_model_state_dict(objs.model, options=options), objs.aliases))
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
     tensors, scalars = _split_optimizer_state(optim_sd)
     optimizer = _Gathering(tensors)
@@ -271,18 +287,13 @@ def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
     optim_sd = get_optimizer_state_dict(objs.model, objs.optimizer, options=options)
     tensors, _ = _split_optimizer_state(optim_sd)
     try:
-        read_local_slices({k: v for k, v in model_sd.items() if k not in objs.aliases},
-                          hf_shards.tensor_map(ckpt_dir, "model"))
+        read_local_slices(_without_aliases(model_sd, objs.aliases), hf_shards.tensor_map(ckpt_dir, "model"))
         read_local_slices(tensors, hf_shards.tensor_map(ckpt_dir, "optimizer"))
     except (WeightsFileError, OSError) as e:
         raise CheckpointError(f"{ckpt_dir}: {e}") from e
-    for alias, canonical in objs.aliases.items():
-        if alias in model_sd and canonical in model_sd:
-            model_sd[alias] = model_sd[canonical]
+    _restore_aliases(model_sd, objs.aliases)
     meta = _read_optimizer_meta(ckpt_dir)
-    for key, value in meta["scalars"].items():
-        fqn, _, name = key.rpartition("/")
-        optim_sd["state"].setdefault(fqn, {})[name] = value
+    _nest_optimizer_state(meta["scalars"], optim_sd["state"])
     optim_sd["param_groups"] = meta["param_groups"]
     set_model_state_dict(objs.model, model_sd, options=options)
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
@@ -292,9 +303,7 @@ def _read_whole(ckpt_dir: Path | Location, objs: TrainingObjects) -> tuple[dict,
     """Rank 0: the whole model and optimizer state, to broadcast."""
     with local_copy(ckpt_dir, _is_state_file) as local:
         model_sd = _read_all(local, "model")
-        for alias, canonical in objs.aliases.items():
-            if canonical in model_sd:  # LoRA: a frozen tied weight is in no checkpoint
-                model_sd[alias] = model_sd[canonical]
+        _restore_aliases(model_sd, objs.aliases)
         if objs.lora:
             check_adapter_names(objs.model, model_sd, str(ckpt_dir))
         return model_sd, _read_optimizer(local)
@@ -338,8 +347,5 @@ def _read_optimizer_meta(ckpt_dir: Path) -> dict:
 
 def _read_optimizer(ckpt_dir: Path) -> dict:
     meta = _read_optimizer_meta(ckpt_dir)
-    state: dict[str, dict] = {}
-    for key, value in [*_read_all(ckpt_dir, "optimizer").items(), *meta["scalars"].items()]:
-        fqn, _, name = key.rpartition("/")
-        state.setdefault(fqn, {})[name] = value
+    state = _nest_optimizer_state({**_read_all(ckpt_dir, "optimizer"), **meta["scalars"]}, {})
     return {"state": state, "param_groups": meta["param_groups"]}

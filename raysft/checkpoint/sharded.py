@@ -76,10 +76,9 @@ def _stager() -> DefaultStager | BlockingAsyncStager | None:
     so the part of an async save that blocks training is a copy into memory that exists already, not a fresh
     allocation of the whole state (on CPU, page faults cost more than the copy). The price: that copy stays.
 
-    Before torch 2.13, on a GPU: the older BlockingAsyncStager, which caches a pinned copy the same way. Without
-    it an async save on the H100 (torch 2.11) blocked 0.3-0.6 of a sync save's time, allocating the copy afresh
-    (docs/bench/h100-check-2.json). It pins, so it needs CUDA; a CPU run on such a torch gets None: DCP's default,
-    a fresh copy each save."""
+    Before torch 2.13, on a GPU: the older BlockingAsyncStager, which caches a pinned copy the same way (without
+    it every async save allocates its copy afresh, while training waits: docs/BENCHMARKS.md, "Async save"). It
+    pins, so it needs CUDA; a CPU run on such a torch gets None: DCP's default, a fresh copy each save."""
     if not _STAGER_REUSABLE:
         return BlockingAsyncStager(cache_staged_state_dict=True) if torch.cuda.is_available() else None
     return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,

@@ -4,7 +4,8 @@ Modules, by role (each imports only those above it in this list):
   sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics),
             composed into TrainConfig; their docstrings are the configuration reference (reference_markdown)
   checks    the checks beyond types, one function per section (check_train, check_data, ...) and then those that
-            join sections; the parallel layout, checked in one place for the driver and the workers (parallel_layout)
+            join sections; the rules of the parallel layout that need no cluster (parallel_layout, which
+            raysft.parallel.layout's ParallelDims is built from)
   load      YAML and `--set section.key=value` overrides into the dataclasses, each value's type checked, then
             the checks: load_config and config_from_dict are the only ways in
 """

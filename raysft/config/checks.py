@@ -240,9 +240,10 @@ def _validate_lora(lora: LoraConfig) -> None:
 
 def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int, int] | None:
     """The (replicate, shard, sequence) sizes that the configuration fixes for `num_workers` workers, checked: the
-    one place the layout is validated, on the driver for every worker count and in the workers for the mesh
-    (raysft.parallel.fsdp.mesh_shape). None: HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes
-    (then `sequence_layout` carves the sequence dimension out of them)."""
+    rules of the layout that need no cluster, here so that loading a configuration refuses a layout for every
+    worker count it allows; raysft.parallel.layout.ParallelDims is built from them in the workers. None:
+    HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes (then `sequence_layout` carves the
+    sequence dimension out of them)."""
     shard, n = p.hsdp_shard_size, p.sequence_parallel
     _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
     _require(num_workers % n == 0, "parallel.sequence_parallel",
@@ -276,20 +277,3 @@ def sequence_layout(p: ParallelConfig, replicate: int, shard: int) -> tuple[int,
              "shard group, inside a node)")
     return replicate, shard // n, n
 
-
-def check_hsdp_shard_size_fits_nodes(p: ParallelConfig, num_workers: int, workers_per_node: list[int]) -> None:
-    """An explicit HYBRID_SHARD shard group must lie inside one node, or its all-gathers and reduce-scatters, the
-    traffic HSDP keeps off the network, cross it: checked on the driver against the cluster's nodes (one entry per
-    node IP: how many workers it holds when idle; logical nodes sharing an IP count as one). Ray packs the workers
-    onto as few nodes as it can, filling each, so a node whose capacity is not a multiple of the group size would
-    split a group with the next node."""
-    shard, nodes = p.hsdp_shard_size, [n for n in workers_per_node if n > 0]
-    if p.sharding != "HYBRID_SHARD" or not shard or len(nodes) < 2 or num_workers <= max(nodes):
-        return
-    layout = ", ".join(f"{n}" for n in nodes)
-    _require(shard <= max(nodes), "parallel.hsdp_shard_size",
-             f"a shard group of {shard} workers is larger than any node of this cluster (workers per node: {layout}),"
-             f" so it would shard across the network; use the workers per node or a divisor of it")
-    _require(all(n % shard == 0 for n in nodes), "parallel.hsdp_shard_size",
-             f"shard groups of {shard} workers would straddle nodes that hold {layout} workers each; use a divisor "
-             f"of every node's workers (or 0: the workers per node, from Ray)")

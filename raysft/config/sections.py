@@ -146,8 +146,6 @@ class TrainLoopConfig:
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "varlen")
 # varlen: raysft.model.attention
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-
 
 @dataclass
 class ParallelConfig:

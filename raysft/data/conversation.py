@@ -63,10 +63,6 @@ def to_conversation(record: Any, system_prompt: str = "") -> Conversation:
     return Conversation(messages, _tools(record.get("tools")))
 
 
-def to_messages(record: Any) -> list[dict[str, Any]]:
-    return to_conversation(record).messages
-
-
 def _message(turn: Any, where: str, role_key: str, content_key: str) -> dict[str, Any]:
     if not isinstance(turn, dict):
         raise BadRecord("bad_structure", f"{where} must be an object, got {type(turn).__name__}")

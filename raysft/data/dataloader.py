@@ -132,6 +132,16 @@ class GlobalBatchSampler:
         return batch
 
 
+def micro_batches(global_batch: np.ndarray, lengths: np.ndarray, rank: int, world_size: int, micro_batch_size: int,
+                  micro_batch_tokens: int = 0) -> list[np.ndarray]:
+    """This rank's micro-batches of a global batch, the one cut training and evaluation share: rows of about
+    micro_batch_tokens tokens where that is set (token_budget_micro_batches), else micro_batch_size samples each.
+    `rank` and `world_size` are data-parallel (raysft.parallel.layout: a sequence group takes one share)."""
+    if micro_batch_tokens:
+        return token_budget_micro_batches(global_batch, lengths, rank, world_size, micro_batch_tokens)
+    return rank_micro_batches(global_batch, rank, world_size, micro_batch_size)
+
+
 def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int, micro_batch_size: int) -> list[np.ndarray]:
     share = global_batch[rank :: world_size]
     return [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
@@ -177,10 +187,11 @@ def _first_fit_decreasing(items: list[int], lengths: np.ndarray, budget: int) ->
 
 
 def _split_until(bins: list[list[int]], count: int, lengths: np.ndarray) -> list[list[int]]:
-    """Split the bin with the most tokens (of those with 2+ samples) in two until there are `count` bins; a rank
-    has as many samples as any other, so it has enough samples for as many bins as any other needs."""
+    """Split the bin with the most tokens (of those with 2+ samples) in two until there are `count` bins. A rank of
+    a training step has as many samples as any other, so it has enough for as many bins as any other needs; one
+    with fewer (an evaluation's last round) stops at one sample a bin, and the caller evens the counts out."""
     bins = [list(b) for b in bins]
-    while len(bins) < count:
+    while len(bins) < count and any(len(b) > 1 for b in bins):
         j = max((j for j, b in enumerate(bins) if len(b) > 1), key=lambda j: sum(int(lengths[i]) for i in bins[j]))
         b = sorted(bins[j], key=lambda i: (-int(lengths[i]), i))
         bins[j : j + 1] = [b[0::2], b[1::2]]

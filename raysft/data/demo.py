@@ -13,7 +13,6 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).parent.parent / "assets" / "demo"
 DEMO_CONVERSATIONS = DEMO_DIR / "conversations.json"
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
-DEMO_PROMPT = "What is the capital of France?"
 
 # Assistant text is wrapped in {% generation %} so transformers can return the assistant-token mask.
 DEMO_CHAT_TEMPLATE = (

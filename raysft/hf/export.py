@@ -32,12 +32,12 @@ from raysft.checkpoint.discovery import RUN_FILE
 from raysft.data.labels import stop_token_ids
 from raysft.hf import shards as hf_shards
 from raysft.hf.adapters import merged_weights, write_adapter
+from raysft.parallel.fsdp import DTYPES
 from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = hf_shards.index_name("model")
 EXPORT_FILE = "raysft_export.json"  # marks a directory raysft exported: which checkpoint, which step
 DEFAULT_SHARD_BYTES = hf_shards.SHARD_BYTES  # transformers' own default for save_pretrained
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike,

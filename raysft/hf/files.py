@@ -16,10 +16,11 @@ from typing import Any
 from safetensors import safe_open
 
 from raysft.errors import ModelDirError
+from raysft.hf.shards import index_name, read_weight_map
 
 # The safetensors library's own limit on a header (its MAX_HEADER_SIZE): a larger length field is no real header.
 MAX_HEADER_BYTES = 100_000_000
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = index_name("model")
 # The files whose `auto_map` asks transformers to import Python modules from the directory.
 CODE_NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
 
@@ -70,9 +71,7 @@ def weight_files(directory: Path) -> list[Path]:
     index = directory / INDEX_FILE
     if not index.is_file():
         return sorted(directory.glob("*.safetensors"))
-    weight_map = read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ModelDirError(f"{index}: has no weight_map of tensor names to files")
+    weight_map = read_weight_map(index, ModelDirError, read_json)
     files = []
     for name in dict.fromkeys(weight_map.values()):
         if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):

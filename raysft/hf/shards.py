@@ -2,8 +2,8 @@
 `{stem}-0000i-of-0000n.safetensors`, and `{stem}.safetensors.index.json` naming the file of every tensor. The
 model has the stem "model" (transformers, vLLM and the safetensors tools read the directory as any HF model); the
 optimizer state has the stem "optimizer", the same layout, so a rank resuming reads its slices of both the same
-way. What fits one group is one `{stem}.safetensors` and no index, the layout of every full checkpoint written
-before the files were split, which therefore still loads and exports.
+way. What fits one group is one `{stem}.safetensors` and no index, as save_pretrained writes a small model; both
+layouts load and export alike.
 
 SHARD_BYTES is transformers' own default for save_pretrained (5 GiB), so a 70B model's 280 GB of fp32 weights
 is some 53 files rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from raysft.errors import CheckpointError
@@ -72,8 +73,7 @@ def listed_files(ckpt_dir: Path, stem: str) -> list[str]:
     index = ckpt_dir / index_name(stem)
     if not index.is_file():
         return [f"{stem}.safetensors"]
-    weight_map = _weight_map(index)
-    names = list(dict.fromkeys(weight_map.values()))
+    names = list(dict.fromkeys(read_weight_map(index).values()))
     bad = [n for n in names if not (isinstance(n, str) and is_tensor_file(n) and n.startswith(f"{stem}-"))]
     if bad:
         raise CheckpointError(f"{index}: weight_map names {bad[0]!r}, which is no {stem} file of a checkpoint")
@@ -90,7 +90,7 @@ def tensor_map(ckpt_dir: Path, stem: str) -> dict[str, Path]:
         raise CheckpointError(f"{_failing(files)}: cannot read: {e}") from e
     index = ckpt_dir / index_name(stem)
     if index.is_file():
-        listed = {tensor: ckpt_dir / name for tensor, name in _weight_map(index).items()}
+        listed = {tensor: ckpt_dir / name for tensor, name in read_weight_map(index).items()}
         if listed != found:
             wrong = sorted(set(listed.items()) ^ set(found.items()))[0][0]
             raise CheckpointError(f"{index}: tensor {wrong!r} is not where the index says "
@@ -98,14 +98,27 @@ def tensor_map(ckpt_dir: Path, stem: str) -> dict[str, Path]:
     return found
 
 
-def _weight_map(index: Path) -> dict:
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise CheckpointError(f"{index}: unreadable index: {e}") from e
+def read_weight_map(index: Path, error: type[Exception] = CheckpointError,
+                    read_json: Callable[[Path], object] | None = None) -> dict:
+    """The one parser of a `*.safetensors.index.json` (a checkpoint's, and a model directory's for raysft.hf.files):
+    its weight_map, {tensor name: file name}, the names unchecked (each caller has its own rules for them).
+    `read_json` reads the file with the caller's messages (default: CheckpointError, "unreadable index"); `error`
+    names the index where it holds no weight_map."""
+    data = (read_json or _read_index)(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index}: has no weight_map of tensor names to files")
+        raise error(f"{index}: has no weight_map of tensor names to files")
     return weight_map
+
+
+def _read_index(index: Path) -> dict:
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: unreadable index: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{index}: unreadable index: a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _failing(files: list[Path]) -> Path:

@@ -26,13 +26,13 @@ from raysft.checkpoint.discovery import read_run_id
 from raysft.checkpoint.memory import remove_run
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
-from raysft.config.checks import check_hsdp_shard_size_fits_nodes
 from raysft.errors import run_ending_type
 from raysft.launch.lease import RunLease
 from raysft.launch.local_ray import check_reachable, connect
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, train_worker
 from raysft.launch.signals import DriverSignals
+from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.storage import location
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).

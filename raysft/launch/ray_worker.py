@@ -104,7 +104,8 @@ def ray_worker_context() -> WorkerContext:
 
 
 def ray_preemption_deadline() -> float | None:
-    """Collective (a Ray barrier of about 2 ms): when a node of this run will be taken away, if Ray knows."""
+    """Collective (a Ray barrier: docs/BENCHMARKS.md times it): when a node of this run will be taken away, if Ray
+    knows."""
     info = ray.train.get_preemption_info()
     if info is None:
         return None

@@ -2,9 +2,11 @@
 one-value collectives the ranks agree through.
 
 Modules, by role:
-  layout       ParallelDims: the config and the cluster's topology -> the data-parallel and sequence-parallel
-               groups, validated once; builds the device mesh and answers every "which group am I in"
-  fsdp         the dtype policy and FSDP2 (`fully_shard`) for each sharding strategy, compile, activation
+  layout       ParallelDims: the config and the cluster's topology -> the (replicate, shard, sequence) sizes,
+               validated once; builds the device mesh and the sequence groups and answers every "which group am
+               I in" (a rank's SequenceShard: data-parallel and sequence rank and size); the driver's check of an
+               explicit HYBRID_SHARD shard group against the cluster's nodes
+  fsdp         the dtype table and policy, and FSDP2 (`fully_shard`) for each sharding strategy, compile, activation
                checkpointing: applied in one fixed order
   sequence     Ulysses sequence parallelism: each rank's part of every packed row, attention over the whole row
   collectives  all/any/count over ranks, a value computed on rank 0 and shared

@@ -16,19 +16,18 @@ The rest of the step needs no change of its own:
   label of a slice's last token comes from the next worker's first token), divided by the label tokens of the
   whole global batch as without sequence parallelism;
 - gradients: FSDP shards over every worker of the data-parallel and the sequence dimension together (the two
-  flattened, `raysft.parallel.fsdp`), so its reduce-scatter sums every worker's partial gradient, sequence groups
+  flattened, `raysft.parallel.layout`), so its reduce-scatter sums every worker's partial gradient, sequence groups
   included; the trainer's loss factor (world size / global label tokens) undoes FSDP's average over all of them.
   No separate all-reduce over the sequence group is needed, and parameters, gradients and optimizer state are
   sharded N times finer as a bonus.
 - the data: the N workers of a group train on the same samples; the global batch is dealt over the
-  world_size / N groups (`SequenceShard.dp_rank`), so every sample is still seen once per epoch.
+  world_size / N groups (raysft.parallel.layout: `ParallelDims.place`), so every sample is still seen once per epoch.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,28 +38,14 @@ from raysft.config import ConfigError, TrainConfig
 from raysft.data import IGNORE_INDEX
 from raysft.model.attention import VARLEN, varlen_attention_forward
 from raysft.model.loss import loss_inputs
+from raysft.parallel.layout import SequenceShard
 
 ULYSSES = "raysft_ulysses"  # the attention name the model runs under with sequence parallelism
 
 
-@dataclass(frozen=True)
-class SequenceShard:
-    """A worker's place: its data-parallel group (which samples it trains on) and its slice of every row. The
-    mesh puts "sequence" innermost, so a group is N consecutive ranks."""
-
-    dp_rank: int
-    dp_size: int
-    sp_rank: int = 0
-    sp_size: int = 1
-
-    @classmethod
-    def of(cls, rank: int, world_size: int, sp_size: int) -> SequenceShard:
-        return cls(rank // sp_size, world_size // sp_size, rank % sp_size, sp_size)
-
-
 def check_sequence_parallel(cfg: TrainConfig, hf_config: PretrainedConfig) -> None:
     """ConfigError, on the driver, for what sequence parallelism cannot run beyond its layout (N dividing every
-    worker count and the shard group: raysft.config's parallel_layout): the model's attention heads must divide by
+    worker count and the shard group: raysft.parallel.layout): the model's attention heads must divide by
     N; the row must be packed with varlen attention (SDPA would build its mask from a worker's slice, not the whole
     row) and the loss chunked (it takes labels already shifted across the slices). KV heads need not divide N: they
     are repeated up to a multiple of it."""

@@ -48,7 +48,7 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 
 
 def location(where: str | os.PathLike | Location) -> Location:
-    """A Location for a local path (expanded and made absolute, as before) or a URI."""
+    """A Location for a local path (expanded and made absolute) or a URI."""
     if isinstance(where, Location):
         return where
     text = os.fspath(where)

@@ -33,6 +33,7 @@ from transformers import PretrainedConfig
 from raysft.config import ConfigError, TrainConfig
 from raysft.model.build import build_meta_model, decoder_layer_classes
 from raysft.model.lora import add_adapters
+from raysft.parallel.layout import ParallelDims
 
 GiB, MiB = 2**30, 2**20
 # GPU memory by Ray's accelerator_type (Ray reports the model, not its memory), in vendor GB. A100 comes in 40 and
@@ -87,19 +88,15 @@ class Topology:
 
 
 def shard_group(cfg: TrainConfig, topology: Topology) -> int:
-    """The shard group's size, as raysft.parallel.fsdp.mesh_shape lays it out (workers spread evenly on nodes)."""
-    sharding, workers = cfg.parallel.sharding, topology.workers
-    if sharding == "NO_SHARD":
-        return cfg.parallel.sequence_parallel  # FSDP's "shard" dimension is the sequence group (raysft.parallel.fsdp)
-    if sharding != "HYBRID_SHARD":
-        return workers
-    if cfg.parallel.hsdp_shard_size:
-        return cfg.parallel.hsdp_shard_size
-    if topology.nodes < 2 or workers % topology.nodes:
+    """FSDP's shard group, as raysft.parallel.layout lays it out for the workers spread evenly on the nodes."""
+    workers, nodes = topology.workers, topology.nodes
+    p = cfg.parallel
+    if p.sharding == "HYBRID_SHARD" and not p.hsdp_shard_size and (nodes < 2 or workers % nodes):
         raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD over {workers} workers on "
-                          f"{topology.nodes} node(s) has no shard group: give --nodes (2 or more, dividing the "
+                          f"{nodes} node(s) has no shard group: give --nodes (2 or more, dividing the "
                           "workers) or set parallel.hsdp_shard_size")
-    return workers // topology.nodes
+    node_ranks = [rank * nodes // workers for rank in range(workers)]
+    return ParallelDims.from_config(p, node_ranks).shard_group_size
 
 
 def micro_batch_tokens(cfg: TrainConfig) -> int:

@@ -21,15 +21,17 @@ import torch.distributed as dist
 from torch import nn
 
 from raysft.config import TrainConfig
-from raysft.data.dataloader import TokenizedDataset, collate, to_device
+from raysft.data.dataloader import TokenizedDataset, collate, micro_batches, to_device
 from raysft.model.loss import micro_batch_loss_sum
-from raysft.parallel.sequence import SequenceShard, model_batch
+from raysft.parallel.layout import SequenceShard
+from raysft.parallel.sequence import model_batch
 
 
 class Evaluator:
     """Every rank's share of the eval store, walked in rounds of train.global_batch_size samples cut into
-    micro-batches as training cuts them (micro_batch_size samples, or micro_batch_tokens tokens with packing);
-    the workers of a sequence group share their group's samples, each its slice of them, as in training."""
+    micro-batches by training's own cut (raysft.data.dataloader.micro_batches: micro_batch_size samples, or
+    micro_batch_tokens tokens with packing); the workers of a sequence group share their group's samples, each its
+    slice of them, as in training."""
 
     def __init__(self, store: Path, cfg: TrainConfig, shard: SequenceShard, device: torch.device, pad_id: int):
         self.dataset = TokenizedDataset(store)
@@ -74,20 +76,8 @@ class Evaluator:
         """This rank's micro-batches of the chunk, as many as the rank that needs the most: FSDP gathers parameters
         in every forward, on every rank alike, so a rank with fewer runs its first sample again and drops the
         loss (`real` False)."""
-        cuts = [self._cut(chunk[r :: self.world_size]) for r in range(self.world_size)]  # a pure function: no sync
+        t = self.cfg.train
+        cuts = [micro_batches(chunk, self.dataset.num_tokens, r, self.world_size, t.micro_batch_size,
+                              t.micro_batch_tokens) for r in range(self.world_size)]  # a pure function: no sync
         mine, most = cuts[self.rank], max(len(c) for c in cuts)
         return [(m, True) for m in mine] + [(chunk[:1], False)] * (most - len(mine))
-
-    def _cut(self, share: np.ndarray) -> list[np.ndarray]:
-        t = self.cfg.train
-        if not t.micro_batch_tokens:
-            return [share[i : i + t.micro_batch_size] for i in range(0, len(share), t.micro_batch_size)]
-        parts, current, tokens = [], [], 0
-        for i in share:  # consecutive samples up to the token budget (a longer one goes alone)
-            n = int(self.dataset.num_tokens[i])
-            if current and tokens + n > t.micro_batch_tokens:
-                parts.append(np.array(current))
-                current, tokens = [], 0
-            current.append(i)
-            tokens += n
-        return parts + ([np.array(current)] if current else [])

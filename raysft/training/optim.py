@@ -13,7 +13,7 @@ from raysft.config import ParallelConfig, TrainLoopConfig
 
 def build_optimizer(model: nn.Module, cfg: TrainLoopConfig) -> torch.optim.Optimizer:
     """AdamW; on a GPU its fused kernel (one launch for all parameters, elementwise like the others, so still
-    deterministic): the default foreach kernels took a fifth of a 1.5B step on an H100 (docs/BENCHMARKS.md)."""
+    deterministic): the default foreach kernels launch many small kernels per step (their cost: docs/BENCHMARKS.md)."""
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     fused = bool(params) and params[0].device.type == "cuda"
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,

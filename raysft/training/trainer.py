@@ -24,10 +24,9 @@ from raysft.data.dataloader import (
     GlobalBatchSampler,
     TokenizedDataset,
     collate,
-    rank_micro_batches,
+    micro_batches,
     sample_lengths,
     to_device,
-    token_budget_micro_batches,
 )
 from raysft.data.tokenizer import load_tokenizer
 from raysft.model.build import (
@@ -40,8 +39,9 @@ from raysft.model.build import (
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
 from raysft.parallel.collectives import from_rank0
-from raysft.parallel.fsdp import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
-from raysft.parallel.sequence import SequenceShard, model_batch
+from raysft.parallel.fsdp import parallelize
+from raysft.parallel.layout import ParallelDims, gather_node_ranks
+from raysft.parallel.sequence import model_batch
 from raysft.training.evaluation import Evaluator
 from raysft.training.metrics import (
     MetricsLogger,
@@ -104,9 +104,9 @@ class Trainer:
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
-        shape = mesh_shape(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
-        self.mesh, self.sequence_group = build_mesh(shape, ctx.device.type), sequence_group(shape)
-        self.shard = SequenceShard.of(ctx.rank, ctx.world_size, cfg.parallel.sequence_parallel)
+        self.dims = ParallelDims.from_config(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
+        self.mesh, self.sequence_group = self.dims.build_mesh(ctx.device.type), self.dims.sequence_group()
+        self.shard = self.dims.place(ctx.rank)
         if t.deterministic:
             use_deterministic_kernels(ctx.device)
         torch.manual_seed(t.seed + ctx.rank)  # each rank's own stream (dropout); checkpoints carry it on
@@ -158,15 +158,12 @@ class Trainer:
     def _memory_tier(self) -> MemoryTier:
         """Collective: the memory tier of this run on this worker's node. Under HYBRID_SHARD and NO_SHARD the
         replicas of a shard (same place in the "shard" dimension of the mesh) hold the same values."""
-        cfg, rank = self.cfg, self.ctx.rank
-        replicated = self.mesh.ndim == 2 and self.mesh.size(0) > 1
-        shard = self.mesh.size(self.mesh.ndim - 1)
+        cfg, dims = self.cfg, self.dims
         run_id = from_rank0(lambda: read_run_id(cfg.run_dir))
-        layout = f"{cfg.parallel.sharding} mesh {tuple(self.mesh.shape)} sequence {cfg.parallel.sequence_parallel}"
         c = cfg.checkpoint
         return MemoryTier(self.objs, c.memory_every_n_steps, c.memory_dir, run_id,
-                          self.ctx.node or socket.gethostname(), layout, rank % shard if replicated else rank,
-                          replicated, c.memory_copy_mb_per_s, log=self.log)
+                          self.ctx.node or socket.gethostname(), f"{cfg.parallel.sharding} {dims}",
+                          dims.shard_place(self.ctx.rank), dims.replicate > 1, c.memory_copy_mb_per_s, log=self.log)
 
     def _newer_snapshot(self, resume_dir: Path | None) -> tuple | None:
         """Collective: (step, sources) of the memory tier's newest whole step if it is newer than the stored
@@ -279,11 +276,8 @@ class Trainer:
         previous one's backward. The workers of a sequence group take the same samples, each its own slice of
         them; the group's first counts their lengths in the metrics."""
         t, ctx, shard = self.cfg.train, self.ctx, self.shard
-        if t.micro_batch_tokens:
-            parts = token_budget_micro_batches(global_batch, self.dataset.num_tokens, shard.dp_rank, shard.dp_size,
-                                               t.micro_batch_tokens)
-        else:
-            parts = rank_micro_batches(global_batch, shard.dp_rank, shard.dp_size, t.micro_batch_size)
+        parts = micro_batches(global_batch, self.dataset.num_tokens, shard.dp_rank, shard.dp_size,
+                              t.micro_batch_size, t.micro_batch_tokens)
         for i, indices in enumerate(parts):
             batch = collate(self.dataset, indices, self.tokenizer.pad_token_id, self.cfg.data.packing)
             sizes = sample_lengths(batch) if shard.sp_rank == 0 else []
