@@ -92,7 +92,8 @@ def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
 
 def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tmp_path, gloo_pool, uninterrupted):
     """The stop request of SIGTERM (raysft.launch.signals) on rank 1 only: both ranks checkpoint the same step, say
-    so and return; the relaunch goes on from that checkpoint to the uninterrupted run's losses and weights, bit for bit."""
+    so and return; the relaunch goes on from that checkpoint to the uninterrupted run's losses and weights, bit for
+    bit."""
     ref_losses, ref_weights = uninterrupted
     cfg = run_config(tmp_path, "stopped", **{"checkpoint.every_n_steps": 100})
     done = gloo_pool.run(launch_stopped_by_rank1, cfg, 5)
