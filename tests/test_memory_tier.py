@@ -84,14 +84,31 @@ def test_snapshots_every_step_change_nothing_and_leave_nothing_behind(tmp_path, 
     assert json.loads((cfg.run_dir / RUN_FILE).read_text())["run_id"].isalnum()
 
 
-def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_losing_no_step(
-        tmp_path, gloo_pool, reference):
-    """Rank 1 dies after step 8; its node's snapshots are gone with it. The relaunch finds step 8 whole (rank 0's
-    part on node 0, rank 1's in the copy node 0 received), rank 1 gets its part sent over, and the run goes on
-    from step 8 (not from the stored checkpoint of step 6) to the uninterrupted run's losses and weights."""
-    cfg = memory_config(tmp_path, "node-lost")
+@pytest.fixture(scope="module")
+def faulted(gloo_pool, tmp_path_factory):
+    """A run whose rank 1 died after step 8, its run directory and snapshots as the fault left them; each test
+    continues a copy of it (one fault, and one restart of the pool's processes, for all)."""
+    tmp = tmp_path_factory.mktemp("faulted")
+    cfg = memory_config(tmp, "faulted")
     with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
         gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+    return cfg
+
+
+def continue_copy(faulted, tmp_path: Path, **sets):
+    """The faulted run and its snapshots copied under tmp_path, with the config that continues it."""
+    cfg = memory_config(tmp_path, "continued", **sets)
+    shutil.copytree(faulted.run_dir, cfg.run_dir)
+    shutil.copytree(faulted.checkpoint.memory_dir, cfg.checkpoint.memory_dir)
+    return cfg
+
+
+def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_losing_no_step(
+        tmp_path, gloo_pool, reference, faulted):
+    """Rank 1 died after step 8; its node's snapshots are gone with it. The relaunch finds step 8 whole (rank 0's
+    part on node 0, rank 1's in the copy node 0 received), rank 1 gets its part sent over, and the run goes on
+    from step 8 (not from the stored checkpoint of step 6) to the uninterrupted run's losses and weights."""
+    cfg = continue_copy(faulted, tmp_path)
     held = sorted(p.relative_to(node_dir(cfg, "node0")).as_posix()
                   for p in node_dir(cfg, "node0").rglob("rank_*.safetensors"))
     assert f"step_{FAULT_AT:08d}/rank_0.safetensors" in held and f"step_{FAULT_AT:08d}/rank_1.safetensors" in held
@@ -101,14 +118,12 @@ def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_lo
     resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
     assert resumes == [{**resumes[0], "step": FAULT_AT, "tier": "memory"}]
     assert_same_run(cfg, reference, tmp_path / "hf")
-    assert not (tmp_path / "shm" / read_run_id(cfg.run_dir)).exists()
+    assert not (Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir)).exists()
 
 
-def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_log_says_why(tmp_path, gloo_pool,
-                                                                                               reference):
-    cfg = memory_config(tmp_path, "both-lost")
-    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
-        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_log_says_why(
+        tmp_path, gloo_pool, reference, faulted):
+    cfg = continue_copy(faulted, tmp_path)
     for node in ("node0", "node1"):  # rank 1's part of every step held: the copy on node 0 and its own
         for path in node_dir(cfg, node).glob("step_*/rank_1.safetensors"):
             path.unlink()
@@ -124,12 +139,10 @@ def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_l
     assert_same_run(cfg, reference, tmp_path / "hf")
 
 
-def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots(tmp_path, gloo_pool):
-    cfg = memory_config(tmp_path, "fresh", **{"train.max_steps": 4, "checkpoint.every_n_steps": 100})
-    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
-        gloo_pool.run(launch_on_own_node, cfg, False, 2)
+def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots(tmp_path, gloo_pool, faulted):
+    cfg = continue_copy(faulted, tmp_path, **{"train.max_steps": 2})
     old_id = read_run_id(cfg.run_dir)
-    assert list((tmp_path / "shm" / old_id).rglob("rank_*.safetensors"))
+    assert list((Path(cfg.checkpoint.memory_dir) / old_id).rglob("rank_*.safetensors"))
     gloo_pool.run(launch_on_own_node, cfg, True)  # --fresh: the old run is kept aside, a new one starts
     records = read_metrics(cfg.run_dir)
     assert read_run_id(cfg.run_dir) != old_id
