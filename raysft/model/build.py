@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
@@ -51,18 +52,11 @@ def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> P
             raise ConfigError(f"config key 'model.path': {cfg.path!r} is not a Hugging Face model directory (it "
                               "needs config.json and the weights; nothing is downloaded)")
         _check("model.path", check_model_dir, path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = read_config_file("model.path", path)
     elif cfg.config in PRESETS:
-        config = LlamaConfig(**PRESETS[cfg.config], vocab_size=len(tokenizer), tie_word_embeddings=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.bos_token_id)
+        config = preset_config(cfg.config, tokenizer)
     else:
-        path = Path(cfg.config).expanduser()
-        if not (path.is_file() or (path / "config.json").is_file()):
-            raise ConfigError(f"config key 'model.config': {cfg.config!r} is neither a preset "
-                              f"({', '.join(PRESETS)}) nor a config.json / model directory")
-        _check("model.config", check_config_file, path if path.is_file() else path / "config.json")
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = read_config_file("model.config", Path(cfg.config).expanduser())
     if config.vocab_size < len(tokenizer):
         raise ConfigError(f"config key 'model.tokenizer': the tokenizer has {len(tokenizer)} tokens but the model's "
                           f"vocab_size is {config.vocab_size}: token ids would index past the embedding (a tokenizer "
@@ -70,11 +64,35 @@ def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> P
     return config
 
 
+def preset_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """A preset's architecture, with the tokenizer's vocabulary and special tokens."""
+    return LlamaConfig(**PRESETS[name], vocab_size=len(tokenizer), tie_word_embeddings=False,
+                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       bos_token_id=tokenizer.bos_token_id)
+
+
+def read_config_file(key: str, path: Path) -> PretrainedConfig:
+    """The architecture in a config.json, or in a model directory's (only that file is read), checked to ask for
+    no code and read without running any. A ConfigError naming `key` when it is neither."""
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        presets = f"a preset ({', '.join(PRESETS)}) nor " if key == "model.config" else ""
+        raise ConfigError(f"{_named(key)}: {str(path)!r} is neither {presets}a config.json nor a directory holding one")
+    _check(key, check_config_file, file)
+    return AutoConfig.from_pretrained(file if path.is_file() else path, local_files_only=True,
+                                      trust_remote_code=False)
+
+
+def _named(key: str) -> str:
+    """How an error names where a value came from: a config key, or a command-line option (`--model`)."""
+    return key if key.startswith("--") else f"config key '{key}'"
+
+
 def _check(key: str, check: Callable[[Path], None], path: Path) -> None:
     try:
         check(path)
     except ModelDirError as e:
-        raise ConfigError(f"config key '{key}': {e}") from None
+        raise ConfigError(f"{_named(key)}: {e}") from None
 
 
 @contextmanager
@@ -207,7 +225,8 @@ def pretrained_targets(model: nn.Module, in_files: Collection[str]) -> dict[str,
 def model_read_problem(model: nn.Module) -> str | None:
     """Why no files could give the model its pretrained weights name by name (None if files with its names can):
     known from the model alone, without its files."""
-    if getattr(model, "_checkpoint_conversion_mapping", None):
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if getattr(model, "_checkpoint_conversion_mapping", None) or get_checkpoint_conversion_mapping(model_type):
         return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
     return None
 
