@@ -34,6 +34,11 @@ fi
 unset RAY_ADDRESS  # a RAY_ADDRESS left in the shell must not point the nodes at another cluster
 
 die() { echo "local.sh: $*" >&2; exit 1; }
+USAGE="usage: $0 start [WORKER_NODES] | status | stop"
+usage_error() { echo "local.sh: $*" >&2; echo "$USAGE" >&2; exit 2; }  # before anything is started
+
+# number NAME VALUE: a usage error naming NAME unless VALUE is a whole number (a port, a count, megabytes)
+number() { [[ $2 =~ ^[0-9]+$ ]] || usage_error "$1 must be a whole number, got '$2'"; }
 
 # The processes of this cluster: those carrying this start's mark (the job drivers Ray moves to sessions of
 # their own included), and every member of a recorded session that holds a marked process. Such a session id
@@ -100,8 +105,16 @@ terminate() {  # SIGTERM to the given PIDs; SIGKILL to those left after RAYSFT_L
 start() {
     local workers=${1:-1} port=${RAYSFT_LOCAL_PORT:-6379} dash_port=${RAYSFT_LOCAL_DASHBOARD_PORT:-8265}
     local client_port=${RAYSFT_LOCAL_CLIENT_PORT:-10001} cpus=${RAYSFT_LOCAL_CPUS:-2} gpus=${RAYSFT_LOCAL_GPUS:-0}
+    [[ $# -le 1 ]] || usage_error "start: unexpected argument '$2'"
+    number WORKER_NODES "$workers"
+    number RAYSFT_LOCAL_PORT "$port"
+    number RAYSFT_LOCAL_DASHBOARD_PORT "$dash_port"
+    number RAYSFT_LOCAL_CLIENT_PORT "$client_port"
+    number RAYSFT_LOCAL_CPUS "$cpus"
+    number RAYSFT_LOCAL_GPUS "$gpus"
+    number RAYSFT_LOCAL_OBJECT_STORE_MB "${RAYSFT_LOCAL_OBJECT_STORE_MB:-512}"
+    number RAYSFT_LOCAL_STOP_TIMEOUT "${RAYSFT_LOCAL_STOP_TIMEOUT:-5}"
     local osm=$((${RAYSFT_LOCAL_OBJECT_STORE_MB:-512} * 1024 * 1024))
-    [[ $workers =~ ^[0-9]+$ ]] || die "WORKER_NODES must be a number, got '$workers'"
     [[ -x $RAY ]] || die "no ray executable (set RAY=...)"
     [[ ! -f $state/mark ]] || die "a cluster is recorded in $state: run '$0 stop' first"
     mkdir -p "$state"
@@ -184,7 +197,8 @@ status() {
 
 case ${1:-} in
     start) shift; start "$@" ;;
-    stop) stop ;;
-    status) status ;;
-    *) die "usage: $0 start [WORKER_NODES] | status | stop" ;;
+    stop) [[ $# -le 1 ]] || usage_error "stop: unexpected argument '$2'"
+        number RAYSFT_LOCAL_STOP_TIMEOUT "${RAYSFT_LOCAL_STOP_TIMEOUT:-5}"; stop ;;
+    status) [[ $# -le 1 ]] || usage_error "status: unexpected argument '$2'"; status ;;
+    *) usage_error "unknown command '${1:-}'" ;;
 esac

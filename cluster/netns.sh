@@ -40,21 +40,34 @@ SUBNET=10.213.0
 PORT=6379
 
 die() { echo "netns.sh: $*" >&2; exit 1; }
+USAGE="usage: $0 up N [--rate RATE] [--cpus C] | exec I CMD... | join I | status | down [TAG]"
+usage_error() { echo "netns.sh: $*" >&2; echo "$USAGE" >&2; exit 2; }  # before anything is made
+
+# value OPTION ARGS...: the value after OPTION, or a usage error naming it (missing, empty, or the next option)
+value() {
+    [[ $# -ge 2 && -n $2 && $2 != -* ]] || usage_error "$1 needs a value"
+    echo "$2"
+}
 
 node_ns() { echo "rsn$1-n$2"; }  # tag, index
 node_ip() { echo "$SUBNET.$(($1 + 1))"; }
 
 up() {
     local n=${1:-} rate="" cpus=2 i
-    [[ $n =~ ^[0-9]+$ && $n -ge 1 ]] || die "usage: $0 up N [--rate RATE] [--cpus C]"
+    [[ $n =~ ^[1-9][0-9]*$ ]] || usage_error "up: N (the number of nodes) must be a positive integer, got '$n'"
     shift
     while [[ $# -gt 0 ]]; do
         case $1 in
-            --rate) rate=$2; shift 2 ;;
-            --cpus) cpus=$2; shift 2 ;;
-            *) die "unknown option $1" ;;
+            --rate) rate=$(value "$@") || exit 2; shift 2
+                [[ $rate =~ ^[0-9]+(\.[0-9]+)?[a-zA-Z]*$ ]] ||
+                    usage_error "--rate must be a rate in tc's units (e.g. 1gbit, 100mbit), got '$rate'" ;;
+            --cpus) cpus=$(value "$@") || exit 2; shift 2
+                [[ $cpus =~ ^[1-9][0-9]*$ ]] || usage_error "--cpus must be a positive integer, got '$cpus'" ;;
+            *) usage_error "up: unknown option '$1'" ;;
         esac
     done
+    [[ ${RAYSFT_NETNS_OBJECT_STORE_MB:-256} =~ ^[1-9][0-9]*$ ]] ||
+        usage_error "RAYSFT_NETNS_OBJECT_STORE_MB must be a positive integer (MB), got '$RAYSFT_NETNS_OBJECT_STORE_MB'"
     [[ -x $RAY ]] || die "no ray executable (set RAY=...)"
     [[ ! -f $state/tag ]] || die "a cluster is recorded in $state (tag $(cat "$state/tag")): run '$0 down' first"
     local tag=${RAYSFT_NETNS_TAG:-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')}
@@ -127,7 +140,8 @@ start_node() {  # index: `ray start` in the node's namespace, with a temp dir of
 
 join() {  # a replacement for node I, whose processes have ended (killed, or gone after Ray declared it dead)
     local i=${1:-}
-    [[ $i =~ ^[0-9]+$ && $i -ge 1 ]] || die "usage: $0 join I (a worker node: I >= 1)"
+    [[ $i =~ ^[1-9][0-9]*$ ]] || usage_error "join: I must be a worker node's index (1 or more), got '$i'"
+    [[ $# -le 1 ]] || usage_error "join: unexpected argument '$2'"
     [[ -f $state/cluster.env ]] || die "no cluster recorded in $state"
     # shellcheck disable=SC2046
     [[ -z $(alive $(ip netns pids "$(node_ns "$(cat "$state/tag")" "$i")" 2>/dev/null)) ]] ||
@@ -149,9 +163,11 @@ ns_pids() {  # every process in the namespaces of cluster TAG
 }
 
 down() {
+    [[ $# -le 1 ]] || usage_error "down: unexpected argument '$2'"
+    [[ -z ${1+x} || $1 =~ ^[a-z0-9]{1,12}$ ]] || usage_error "down: TAG must be 1-12 of [a-z0-9], got '$1'"
     local tag=${1:-$(cat "$state/tag" 2>/dev/null || true)} pids waited=0 ns
     [[ -n $tag ]] || { echo "netns.sh: nothing recorded in $state; nothing to take down"; return 0; }
-    [[ $tag =~ ^[a-z0-9]{1,12}$ ]] || die "bad tag '$tag'"
+    [[ $tag =~ ^[a-z0-9]{1,12}$ ]] || die "bad tag '$tag' recorded in $state/tag"
     pids=$(ns_pids "$tag" | tr '\n' ' ')
     if [[ -n ${pids// /} ]]; then
         # shellcheck disable=SC2086
@@ -173,7 +189,8 @@ down() {
 
 node_exec() {
     local i=${1:-} tag
-    [[ $i =~ ^[0-9]+$ ]] || die "usage: $0 exec I CMD..."
+    [[ $i =~ ^[0-9]+$ ]] || usage_error "exec: I must be a node's index (0: the head), got '$i'"
+    [[ $# -ge 2 ]] || usage_error "exec: no command to run in node $i"
     shift
     tag=$(cat "$state/tag" 2>/dev/null) || die "no cluster recorded in $state"
     exec ip netns exec "$(node_ns "$tag" "$i")" "$@"
@@ -192,6 +209,6 @@ case ${1:-} in
     down) shift; down "$@" ;;
     join) shift; join "$@" ;;
     exec) shift; node_exec "$@" ;;
-    status) status ;;
-    *) die "usage: $0 up N [--rate RATE] [--cpus C] | exec I CMD... | join I | status | down [TAG]" ;;
+    status) [[ $# -le 1 ]] || usage_error "status: unexpected argument '$2'"; status ;;
+    *) usage_error "unknown command '${1:-}'" ;;
 esac

@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import transformers
 
 import raysft
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.config.checks import check_hsdp_shard_size_fits_nodes
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf.export import DEFAULT_SHARD_BYTES, check_export_target, export
+from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
-from raysft.model.build import load_model_config
 from raysft.storage import location
+from raysft.tools.architectures import KNOWN, initial_weights_fallback, plan_architecture
 from raysft.tools.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
 from raysft.tools.report import draw, read_curves
@@ -68,13 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser("plan", help="print the memory a run needs per worker and per host, and whether it fits "
                                          "(starts nothing)")
     add_config_args(p_plan)
-    p_plan.add_argument("--workers", type=int, help="workers (default: scaling.num_workers)")
-    p_plan.add_argument("--nodes", type=int, help="nodes the workers are spread on (default: the cluster's GPU "
-                                                   "nodes, else workers / parallel.hsdp_shard_size, else 1)")
-    p_plan.add_argument("--gpu-mem-gib", type=float, help="memory of one GPU (default: read from the Ray cluster "
-                                                           "in RAY_ADDRESS when there is one)")
-    p_plan.add_argument("--tokens", type=int, help="tokens of the largest micro-batch (default: "
-                                                    "train.micro_batch_tokens, else micro_batch_size x max_seq_len)")
+    p_plan.add_argument("--model", metavar="NAME|CONFIG", help="the architecture to count: one of "
+                        f"{', '.join(KNOWN)}, a config.json or a model directory (default: model.config, or "
+                        "model.path's config.json); no weights and no tokenizer are read")
+    p_plan.add_argument("--workers", type=_positive(int), help="workers: the same as --set scaling.num_workers=N, "
+                                                               "checked as a launch checks it")
+    p_plan.add_argument("--nodes", type=_positive(int), help="nodes the workers are spread on (default: the "
+                        "cluster's GPU nodes, else workers / parallel.hsdp_shard_size, else 1)")
+    p_plan.add_argument("--gpu-mem-gib", type=_positive(float), help="memory of one GPU (default: read from the "
+                                                                      "Ray cluster in RAY_ADDRESS when there is one)")
+    p_plan.add_argument("--tokens", type=_positive(int), help="tokens of the largest micro-batch (default: "
+                                                               "train.micro_batch_tokens, else micro_batch_size x "
+                                                               "max_seq_len)")
     p_report = sub.add_parser("report", help=f"plot a run's loss and tokens/s from its {METRICS_FILE}")
     p_report.add_argument("run_dir")
     p_report.add_argument("--out", metavar="FILE.png", help="where to write the plot (default: RUN_DIR/report.png)")
@@ -88,9 +97,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt needs --export DIR")
     if args.command == "train" and args.force and not args.export:
         parser.error("--force needs --export DIR")
-    for name in ("workers", "nodes", "gpu_mem_gib", "tokens"):
-        if args.command == "plan" and getattr(args, name) is not None and getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.command == "export" and args.max_shard_mb <= 0:
         parser.error(f"--max-shard-mb must be at least 1, got {args.max_shard_mb}")
 
@@ -105,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args.model_dir, args.prompt, args.system, args.max_new_tokens)
         if args.command == "report":
             return _report(args.run_dir, args.out)
+        if args.command == "plan":  # --workers N is scaling.num_workers=N: every check of a launch applies to it
+            workers = [f"scaling.num_workers={args.workers}"] if args.workers else []
+            return _plan(load_config(args.config, [*args.overrides, *workers]), args.model, args.nodes,
+                         args.gpu_mem_gib, args.tokens)
         config = load_config(args.config, args.overrides)
-        if args.command == "plan":
-            return _plan(config, args.workers, args.nodes, args.gpu_mem_gib, args.tokens)
         if args.command == "prepare":
             return _prepare(config)
         return _train(config, args.fresh, args.export, args.prompt, args.force)
@@ -165,11 +173,32 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
     return 0
 
 
-def _plan(config: TrainConfig, workers: int | None, nodes: int | None, gpu_mem_gib: float | None,
+def _positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a finite number of `kind` above 0 (float() takes "nan" and "inf", which no plan can use)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+        return value
+    return parse
+
+
+def _plan(config: TrainConfig, model: str | None, nodes: int | None, gpu_mem_gib: float | None,
           tokens: int | None) -> int:
-    tokenizer = load_tokenizer(config.model, config.data.chat_template)
-    shape = model_shape(config, load_model_config(config.model, tokenizer))
-    workers = workers or config.scaling.num_workers
+    """`raysft plan`: the architecture from --model or the config (no weights, no tokenizer), every check a launch
+    makes that needs no files or data (raysft.launch.prelaunch.check_architecture besides load_config's), and the
+    cluster in RAY_ADDRESS, if any, probed as `raysft train` probes it before anything waits on it."""
+    hf_config, source = plan_architecture(config, model)
+    check_architecture(config, hf_config)
+    workers = config.scaling.num_workers
+    if nodes is not None and nodes > workers:
+        raise ConfigError(f"--nodes {nodes}: more nodes than the {workers} workers (scaling.num_workers) to spread "
+                          "on them")
+    shape = model_shape(config, hf_config)
     cluster = _cluster_gpus() if os.environ.get("RAY_ADDRESS") and (gpu_mem_gib is None or nodes is None) else None
     if cluster:
         print(f"raysft: cluster in RAY_ADDRESS: {cluster[1]} GPU node(s) of {cluster[0] or 'unknown'} GPUs")
@@ -179,15 +208,25 @@ def _plan(config: TrainConfig, workers: int | None, nodes: int | None, gpu_mem_g
     if nodes is None:
         shard = config.parallel.hsdp_shard_size
         nodes = cluster[1] if cluster and cluster[1] else (workers // shard if shard and not workers % shard else 1)
-    print(render(config, plan(config, shape, Topology(workers, nodes, gpu_bytes), tokens)))
+    spread = [len(range(node, workers, nodes)) for node in range(nodes)]  # workers per node, spread evenly
+    check_hsdp_shard_size_fits_nodes(config.parallel, workers, spread)
+    print(f"raysft: architecture from {source}")
+    rank0_init = initial_weights_fallback(config, hf_config)
+    result = plan(config, shape, Topology(workers, nodes, gpu_bytes), tokens, rank0_init)
+    print(render(config, result))
     return 0
 
 
 def _cluster_gpus() -> tuple[str | None, int]:
-    """(accelerator type, number of GPU nodes) of the running cluster in RAY_ADDRESS; it is only read. Ray is
-    imported here, not at the top: `raysft plan` without a cluster runs where Ray is not installed."""
+    """(accelerator type, number of GPU nodes) of the running cluster in RAY_ADDRESS; it is only read, once
+    something answers at its address (ClusterUnreachable, naming it, after the connect timeout: ray.init alone
+    retries a dead address for minutes). Ray is imported here, not at the top: `raysft plan` without a cluster runs
+    where Ray is not installed."""
     import ray
 
+    from raysft.launch.local_ray import check_reachable
+
+    check_reachable()
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
     try:
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("GPU")]

@@ -1,10 +1,13 @@
 """The cluster definitions stay usable: every YAML parses, the AWS launcher config passes Ray's own schema, the
 KubeRay manifests pass (a trimmed copy of) KubeRay's CRD schema, and the job configs load and their memory headers
-match the models. (cluster/local.sh runs for real in tests/test_job_submit.py: a 2-node cluster with token auth
-that takes jobs, and whose stop ends only what it started.)"""
+match the models; the cluster scripts refuse a bad option by name before doing anything. (cluster/local.sh runs for
+real in tests/test_job_submit.py: a 2-node cluster with token auth that takes jobs, and whose stop ends only what it
+started.)"""
 
 import copy
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -202,3 +205,48 @@ def test_memory_header_matches_the_model_and_the_sharding(name):
     state = re.search(r"16 x P / (\d+) \.+ ([\d.]+) GB", header)
     assert int(state.group(1)) == group
     assert state.group(2) == f"{16 * params / group / 1e9:.2f}"
+
+
+# --- cluster/*.sh: usage errors ---------------------------------------------------------------------------------
+
+BAD_SCRIPT_ARGS = [
+    ("netns.sh", "up 2 --rate", {}, "--rate needs a value"),
+    ("netns.sh", "up 2 --rate --cpus 2", {}, "--rate needs a value"),
+    ("netns.sh", "up 2 --cpus", {}, "--cpus needs a value"),
+    ("netns.sh", "up 2 --cpus two", {}, "--cpus must be a positive integer, got 'two'"),
+    ("netns.sh", "up 2 --rate fast", {}, "--rate must be a rate in tc's units (e.g. 1gbit, 100mbit), got 'fast'"),
+    ("netns.sh", "up two", {}, "up: N (the number of nodes) must be a positive integer, got 'two'"),
+    ("netns.sh", "up 2 --bogus", {}, "up: unknown option '--bogus'"),
+    ("netns.sh", "up 2", {"RAYSFT_NETNS_OBJECT_STORE_MB": "lots"},
+     "RAYSFT_NETNS_OBJECT_STORE_MB must be a positive integer (MB), got 'lots'"),
+    ("netns.sh", "join", {}, "join: I must be a worker node's index (1 or more), got ''"),
+    ("netns.sh", "join 1 2", {}, "join: unexpected argument '2'"),
+    ("netns.sh", "exec 0", {}, "exec: no command to run in node 0"),
+    ("netns.sh", "down Bad!", {}, "down: TAG must be 1-12 of [a-z0-9], got 'Bad!'"),
+    ("netns.sh", "status now", {}, "status: unexpected argument 'now'"),
+    ("netns.sh", "", {}, "unknown command ''"),
+    ("local.sh", "start x", {}, "WORKER_NODES must be a whole number, got 'x'"),
+    ("local.sh", "start 1 2", {}, "start: unexpected argument '2'"),
+    ("local.sh", "start", {"RAYSFT_LOCAL_OBJECT_STORE_MB": "512MB"},
+     "RAYSFT_LOCAL_OBJECT_STORE_MB must be a whole number, got '512MB'"),
+    ("local.sh", "start", {"RAYSFT_LOCAL_PORT": "http"}, "RAYSFT_LOCAL_PORT must be a whole number, got 'http'"),
+    ("local.sh", "stop now", {}, "stop: unexpected argument 'now'"),
+    ("local.sh", "status x", {}, "status: unexpected argument 'x'"),
+    ("local.sh", "restart", {}, "unknown command 'restart'"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "env", "message"), BAD_SCRIPT_ARGS,
+                         ids=[f"{s} {a}" + (f" {next(iter(e))}" if e else "") for s, a, e, _ in BAD_SCRIPT_ARGS])
+def test_a_bad_script_option_is_a_usage_error_naming_it_before_anything_is_made(tmp_path, script, args, env, message):
+    """Each script parses every argument and numeric setting before it acts: a missing or malformed value is exit 2
+    with the option's name and the usage, not bash's `$2: unbound variable` or an arithmetic error, and nothing is
+    made (no state directory, no namespace: RAY names no executable, the first thing checked after parsing)."""
+    state = tmp_path / "state"
+    run_env = {**os.environ, "RAYSFT_NETNS_DIR": str(state), "RAYSFT_LOCAL_DIR": str(state),
+               "RAY": str(tmp_path / "no-ray"), **env}
+    out = subprocess.run(["bash", str(CLUSTER / script), *args.split()], env=run_env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert f"{script}: {message}\nusage: " in out.stderr, out.stderr
+    assert not state.exists()

@@ -1,7 +1,7 @@
 """Pretrained weights read per rank (raysft.hf.weights through model.load_initial_weights): every rank's shards hold
 exactly from_pretrained's fp32 values, on 2 and 4 gloo processes and every sharding strategy, uneven shards and
-LoRA's base included, without rank 0 ever holding the whole model; a tied-weights model takes rank 0's way and
-says why."""
+LoRA's base included, without rank 0 ever holding the whole model; a tied-weights model (the LM head is the embedding)
+likewise, its tie holding through a training step."""
 
 from pathlib import Path
 
@@ -44,6 +44,10 @@ def _vm_kib(field: str) -> int:
 def _load(ctx, path: str, sharding: str, mixed_precision: str, lora_r: int) -> dict:
     """On every rank: the model built as the trainer builds it, then its initial weights; this rank's shards (with
     the slices of the full tensors they hold) and how much its resident memory rose above what it held before."""
+    return _build_and_load(ctx, path, sharding, mixed_precision, lora_r)[1]
+
+
+def _build_and_load(ctx, path: str, sharding: str, mixed_precision: str, lora_r: int) -> tuple:
     config = AutoConfig.from_pretrained(path)
     model_cfg = ModelConfig(path=path, lora=LoraConfig(r=lora_r, target_modules=["q_proj", "v_proj"]))
     parallel = ParallelConfig(sharding=sharding, mixed_precision=mixed_precision,
@@ -59,7 +63,7 @@ def _load(ctx, path: str, sharding: str, mixed_precision: str, lora_r: int) -> d
     for name, param in model.named_parameters():
         local, index = local_part(param)
         shards[name] = ([(s.start, s.stop) for s in index], local.detach().clone())
-    return {"fallback": fallback, "rise": rise, "shards": shards}
+    return model, {"fallback": fallback, "rise": rise, "shards": shards}
 
 
 def _reference(path: Path, lora_r: int = 0) -> dict[str, torch.Tensor]:
@@ -107,12 +111,52 @@ def test_no_rank_holds_the_whole_model_while_loading(pretrained, gloo_pool):
                                                  f"loading a {full_bytes}-byte model")
 
 
-def test_tied_weights_take_rank_0s_way_and_say_why(tmp_path, gloo_pool):
+def _train_step(model: torch.nn.Module) -> None:
+    """One AdamW step on a fixed batch, the same on every rank (so FSDP's averaged gradient is the batch's)."""
+    ids = torch.randint(SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def _load_tied_and_step(ctx, path: str) -> dict:
+    """_load's result for a tied model, then whether the head is still the embedding after one training step, and
+    this rank's shards after it."""
+    model, result = _build_and_load(ctx, path, "FULL_SHARD", "fp32", 0)
+    _train_step(model)
+    result["tied_after_step"] = model.lm_head.weight is model.model.embed_tokens.weight
+    result["stepped"] = {name: local_part(p)[0].detach().clone() for name, p in model.named_parameters()}
+    return result
+
+
+def test_tied_weights_are_read_per_rank_stay_tied_through_a_step_and_no_rank_holds_the_model(tmp_path, gloo_pool):
+    """Tied embeddings (Llama-3.2-1B/3B, Qwen2.5 up to 3B) take the per-rank read like every other model: the files
+    hold the embedding once (transformers saves no lm_head.weight), each rank reads its slice of it once, and the
+    head is that same parameter. After a step both ranks' shards equal from_pretrained's model stepped alike.
+    Memory: the embedding is 85% of this model, so a rank's rise is its half of the model plus the slice of the
+    embedding it reads (bf16, and the file's pages it maps): about 0.8 of the fp32 model was seen. Rank 0's old way
+    held a whole fp32 copy beside its shards, one and a half models."""
     path = _write_model(tmp_path / "tied", tied=True)
-    results = gloo_pool.run(_load, str(path), "FULL_SHARD", "fp32", 0)
-    for result in results:
-        assert "tied weights: lm_head.weight is model.embed_tokens.weight" in result["fallback"]
-    _check_bit_identical(results, _reference(path))
+    results = gloo_pool.run(_load_tied_and_step, str(path))
+    reference = _reference(path)
+    assert "lm_head.weight" not in reference and "model.embed_tokens.weight" in reference  # one parameter
+    full_bytes = sum(t.numel() * 4 for t in reference.values())
+    for rank, result in enumerate(results):
+        assert result["fallback"] is None, f"rank {rank}: {result['fallback']}"
+        assert result["rise"] < full_bytes, (f"rank {rank}: resident memory rose by {result['rise']} bytes "
+                                              f"loading a {full_bytes}-byte model")
+        assert result["tied_after_step"], f"rank {rank}: the head is no longer the embedding after a step"
+    _check_bit_identical(results, reference)
+
+    stepped = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    _train_step(stepped)
+    assert stepped.lm_head.weight is stepped.model.embed_tokens.weight
+    for rank, result in enumerate(results):
+        for name, (index, _) in result["shards"].items():
+            expected = dict(stepped.named_parameters())[name].detach()[tuple(slice(a, b) for a, b in index)]
+            assert not torch.equal(expected, reference[name][tuple(slice(a, b) for a, b in index)]), name
+            torch.testing.assert_close(result["stepped"][name], expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name, rank=rank: f"rank {rank}: {name} after a step: {m}")
 
 
 def _save_and_resume(ctx, path: str, out: Path) -> bool:

@@ -137,3 +137,159 @@ def test_sequence_parallel_divides_a_workers_activations_as_bench_sequence_paral
                                   "parallel.sequence_parallel=2", "scaling.num_workers=4"])
     assert plan(no_shard, model_shape(no_shard, model), Topology(4, 1)).shard_group == 2
 
+
+
+# --- off the cluster: the architecture without weights or a tokenizer (raysft.tools.architectures) ---------------
+
+LLAMA_70B = REPO / "jobs/configs/llama3-70b-4x8.yaml"  # model.path /mnt/shared/...: on the cluster only
+
+
+@pytest.mark.parametrize("model", ["llama3-70b", "jobs/configs/models/llama-3.1-70b.json", "jobs/configs/models/"],
+                         ids=["name", "config.json", "directory"])
+def test_a_job_config_is_planned_off_the_cluster_from_a_name_or_a_config_json_without_a_tokenizer(model, tmp_path):
+    """The 70B job config names a model directory and tokenizer that only the cluster has: `--model` gives the
+    architecture from a known name, a config.json or a directory holding one, and nothing reads a tokenizer."""
+    if model.endswith("/"):  # a model directory: only its config.json is read
+        (tmp_path / "config.json").write_text((REPO / "jobs/configs/models/llama-3.1-70b.json").read_text())
+        model = str(tmp_path)
+    out = cli_in_process("plan", str(LLAMA_70B), "--model", model, "--gpu-mem-gib", "74.5")
+    assert out.returncode == 0, out.stderr
+    assert "(70,553,706,496)" in out.stdout and "fits 74.5 GiB per GPU: yes" in out.stdout
+    assert "each rank reads its slices of model.path" in out.stdout  # the config's model.path, counted as a launch
+
+
+def test_without_the_model_directory_plan_says_to_give_the_architecture_and_an_unknown_name_lists_the_known():
+    out = cli_in_process("plan", str(LLAMA_70B))
+    assert out.returncode == 2
+    assert ("config key 'model.path': /mnt/shared/models/Meta-Llama-3.1-70B-Instruct is not on this machine (no "
+            "config.json there): give the architecture with --model NAME (one of llama3-8b, llama3-70b") in out.stderr
+    assert "tokenizer" not in out.stderr
+    unknown = cli_in_process("plan", str(LLAMA_70B), "--model", "llama-70b")
+    assert unknown.returncode == 2
+    assert "--model 'llama-70b' is neither a known architecture (llama3-8b, llama3-70b, " in unknown.stderr
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496), ("llama3.2-1b", 1_235_814_400),
+    ("llama3.2-3b", 3_212_749_824), ("qwen2.5-1.5b", 1_543_714_304), ("qwen2.5-3b", 3_085_938_688),
+    ("qwen2.5-7b", 7_615_616_512)])
+def test_each_known_architecture_has_its_models_parameter_count(name, params):
+    """The counts of the released models (their model cards: Llama-3.1 8.03B and 70.6B, Llama-3.2 1.23B and 3.21B,
+    Qwen2.5 1.54B, 3.09B and 7.61B), here exact: embeddings tied where the model ties them (Llama-3.2, Qwen2.5 up to
+    3B), Qwen2's q/k/v biases. The Llama-3.1 shapes are those of the config.json files in jobs/configs/models."""
+    from raysft.tools.architectures import known_architecture
+
+    config = known_architecture(name)
+    cfg = load_config(None, ["model.tokenizer=builtin:demo"])
+    assert model_shape(cfg, config).params == params
+    if name in ("llama3-8b", "llama3-70b"):
+        hub = json.loads((REPO / f"jobs/configs/models/llama-3.1-{name.removeprefix('llama3-')}.json").read_text())
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
+            assert getattr(config, key) == hub[key], key
+
+
+# --- plan refuses what train refuses ----------------------------------------------------------------------------
+
+
+def _usage_error(*args: str) -> tuple[int, str]:
+    """`raysft plan ARGS` refused by argparse: its exit code and message."""
+    import contextlib
+    import io
+
+    from raysft.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        main(["plan", *args])
+    return exited.value.code, err.getvalue()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-8"])
+def test_a_gpu_memory_that_is_not_a_finite_positive_number_is_refused_by_name(value):
+    code, err = _usage_error(f"--gpu-mem-gib={value}")
+    assert code == 2 and f"argument --gpu-mem-gib: must be a finite number above 0, got '{value}'" in err
+
+
+HYBRID_8 = ("--set", "parallel.sharding=HYBRID_SHARD", "--set", "parallel.hsdp_shard_size=8",
+            "--set", "scaling.num_workers=16", "--set", "train.global_batch_size=64")
+
+
+@pytest.mark.parametrize(("args", "refusal"), [
+    (("--set", "parallel.sequence_parallel=2"),
+     "config key 'parallel.sequence_parallel': needs data.packing: true and model.attn_implementation: varlen"),
+    ((*HYBRID_8, "--workers", "4"),
+     "config key 'parallel.hsdp_shard_size': shard-group size 8 does not divide scaling.num_workers=4"),
+    ((*HYBRID_8, "--nodes", "4"),
+     "config key 'parallel.hsdp_shard_size': a shard group of 8 workers is larger than any node"),
+    (("--workers", "2", "--nodes", "3"), "--nodes 3: more nodes than the 2 workers"),
+], ids=["sequence parallel without packing", "shard group over the workers", "shard group over a node",
+        "more nodes than workers"])
+def test_plan_refuses_what_a_launch_refuses_naming_the_key(args, refusal):
+    """`raysft plan` runs the checks a launch runs on the driver (load_config's for the worker count it plans,
+    and those against the architecture: raysft.launch.prelaunch.check_architecture), so it plans nothing that
+    `raysft train` would refuse; each refusal is exit 2 naming the key or the option."""
+    out = cli_in_process("plan", *args)
+    assert out.returncode == 2 and refusal in out.stderr, out.stderr
+    assert not out.stdout
+
+
+def test_plan_names_an_unreachable_cluster_within_the_connect_timeout(monkeypatch):
+    """RAY_ADDRESS naming a port nobody listens on (127.0.0.1): the probe `raysft train` makes names it after the
+    connect timeout (2 s here, 30 by default), where ray.init alone retried it for minutes and ignored SIGTERM."""
+    import socket
+    import time
+
+    from raysft.launch import local_ray
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nobody listens there
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.setattr(local_ray, "CONNECT_TIMEOUT_S", 2.0)
+    start = time.monotonic()
+    out = cli_in_process("plan")
+    assert time.monotonic() - start < 60  # the timeout, Ray's import and the plan's own work on a loaded machine
+    assert out.returncode == 1 and f"RAY_ADDRESS=127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}" in out.stderr
+
+
+# --- the initial weights: rank 0's whole-model load counted where a launch would take it --------------------------
+
+
+def _small_model_dir(path, tied: bool, renamed: bool = False):
+    """A small Llama as transformers saves it; `renamed`: its tensors under other names (`transformer.` for
+    `model.`), as a checkpoint of another naming holds them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, tie_word_embeddings=tied)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    if renamed:
+        tensors = load_file(path / "model.safetensors")
+        save_file({k.replace("model.", "transformer.", 1): v for k, v in tensors.items()}, path / "model.safetensors",
+                  metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("case", ["tied", "renamed"])
+def test_plan_counts_rank_0s_whole_model_load_only_where_a_launch_takes_it(tmp_path, case):
+    """Tied embeddings are read per rank like every other model (tests/test_hf_weights.py); only files that name
+    the model's tensors otherwise make rank 0 load the whole fp32 model (4 P) and broadcast it, and plan says so."""
+    model_dir = _small_model_dir(tmp_path / case, tied=case == "tied", renamed=case == "renamed")
+    out = cli_in_process("plan", "--set", f"model.path={model_dir}", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    cfg = load_config(None, [f"model.path={model_dir}", "scaling.num_workers=2"])
+    from raysft.tools.architectures import initial_weights_fallback, plan_architecture
+
+    hf_config, _ = plan_architecture(cfg)
+    shape = model_shape(cfg, hf_config)
+    result = plan(cfg, shape, Topology(2, 1), rank0_init=initial_weights_fallback(cfg, hf_config))
+    if case == "tied":
+        assert "each rank reads its slices of model.path" in out.stdout
+        assert result.init_host_bytes == 4 * shape.largest_module / 2
+    else:
+        assert ("rank 0 loads model.path whole and broadcasts it: 20 of the model's tensors are not in the files "
+                "under their names") in out.stdout
+        assert result.init_host_bytes == 4 * shape.params

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, new_run_id
 from raysft.config import ConfigError, TrainConfig
@@ -68,7 +68,13 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
 def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
     """The model's directory (its files checked, raysft.hf.files) or config, its vocabulary against the tokenizer
     and the LoRA targets: errors that would otherwise meet every worker and be retried scaling.max_failures times."""
-    hf_config = load_model_config(config.model, tokenizer)
+    check_architecture(config, load_model_config(config.model, tokenizer))
+
+
+def check_architecture(config: TrainConfig, hf_config: PretrainedConfig) -> None:
+    """What the configuration must agree with in the model's architecture, from its config alone (no weights, no
+    tokenizer, no data): attention, the chunked loss, sequence parallelism, the LoRA targets. `raysft plan` runs
+    these too, so that it plans nothing a launch would refuse."""
     check_attention(hf_config, config.model.attn_implementation, config.data.max_seq_len)
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)

@@ -3,14 +3,17 @@
 Every rank builds the model with parameters on the meta device (no memory), shards it and then materializes only
 its own shards. Pretrained weights are read by every rank from the safetensors files, each its own slices
 (raysft.hf.weights); a from-scratch model is initialized on every rank module by module, each rank keeping its
-slices (raysft.model.seeded_init): no rank holds the whole model. Only pretrained weights whose parameter names are not
-the files' (tied weights, a conversion mapping) take the other way: rank 0 builds a real copy whose full state
-dict is broadcast shard by shard.
+slices (raysft.model.seeded_init): no rank holds the whole model. Tied weights (`tie_word_embeddings`: the LM head
+is the embedding) are one parameter under two names, on the meta device, after sharding (FSDP2's root keeps both
+modules) and after materializing, so each rank reads that parameter's slices once, under whichever of its names
+the files hold, and the tie holds by construction. Only pretrained weights whose parameter names are not the
+files' (a conversion mapping, a checkpoint with other names) take the other way: rank 0 builds a real copy whose
+full state dict is broadcast shard by shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
@@ -48,18 +52,11 @@ def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> P
             raise ConfigError(f"config key 'model.path': {cfg.path!r} is not a Hugging Face model directory (it "
                               "needs config.json and the weights; nothing is downloaded)")
         _check("model.path", check_model_dir, path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = read_config_file("model.path", path)
     elif cfg.config in PRESETS:
-        config = LlamaConfig(**PRESETS[cfg.config], vocab_size=len(tokenizer), tie_word_embeddings=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.bos_token_id)
+        config = preset_config(cfg.config, tokenizer)
     else:
-        path = Path(cfg.config).expanduser()
-        if not (path.is_file() or (path / "config.json").is_file()):
-            raise ConfigError(f"config key 'model.config': {cfg.config!r} is neither a preset "
-                              f"({', '.join(PRESETS)}) nor a config.json / model directory")
-        _check("model.config", check_config_file, path if path.is_file() else path / "config.json")
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = read_config_file("model.config", Path(cfg.config).expanduser())
     if config.vocab_size < len(tokenizer):
         raise ConfigError(f"config key 'model.tokenizer': the tokenizer has {len(tokenizer)} tokens but the model's "
                           f"vocab_size is {config.vocab_size}: token ids would index past the embedding (a tokenizer "
@@ -67,11 +64,35 @@ def load_model_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> P
     return config
 
 
+def preset_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """A preset's architecture, with the tokenizer's vocabulary and special tokens."""
+    return LlamaConfig(**PRESETS[name], vocab_size=len(tokenizer), tie_word_embeddings=False,
+                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       bos_token_id=tokenizer.bos_token_id)
+
+
+def read_config_file(key: str, path: Path) -> PretrainedConfig:
+    """The architecture in a config.json, or in a model directory's (only that file is read), checked to ask for
+    no code and read without running any. A ConfigError naming `key` when it is neither."""
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        presets = f"a preset ({', '.join(PRESETS)}) nor " if key == "model.config" else ""
+        raise ConfigError(f"{_named(key)}: {str(path)!r} is neither {presets}a config.json nor a directory holding one")
+    _check(key, check_config_file, file)
+    return AutoConfig.from_pretrained(file if path.is_file() else path, local_files_only=True,
+                                      trust_remote_code=False)
+
+
+def _named(key: str) -> str:
+    """How an error names where a value came from: a config key, or a command-line option (`--model`)."""
+    return key if key.startswith("--") else f"config key '{key}'"
+
+
 def _check(key: str, check: Callable[[Path], None], path: Path) -> None:
     try:
         check(path)
     except ModelDirError as e:
-        raise ConfigError(f"config key '{key}': {e}") from None
+        raise ConfigError(f"{_named(key)}: {e}") from None
 
 
 @contextmanager
@@ -188,24 +209,40 @@ def file_name(name: str) -> str:
 
 def _base_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's pretrained tensors (all but LoRA's adapters) by their names in the files, persistent buffers
-    included: what from_pretrained fills."""
+    included: what from_pretrained fills. A tied parameter appears under each of its names."""
     return {file_name(n): t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}
+
+
+def pretrained_targets(model: nn.Module, in_files: Collection[str]) -> dict[str, torch.Tensor]:
+    """The tensors to read from the files, each once: a tied parameter under its first name (the embedding, which
+    from_pretrained ties the head to) or, if the files lack that name, under another of its names they hold."""
+    names_of: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in _base_tensors(model).items():
+        names_of.setdefault(id(tensor), (tensor, []))[1].append(name)
+    return {next((n for n in names if n in in_files), names[0]): tensor for tensor, names in names_of.values()}
+
+
+def model_read_problem(model: nn.Module) -> str | None:
+    """Why no files could give the model its pretrained weights name by name (None if files with its names can):
+    known from the model alone, without its files."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if getattr(model, "_checkpoint_conversion_mapping", None) or get_checkpoint_conversion_mapping(model_type):
+        return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
+    return None
 
 
 def slice_read_problem(model: nn.Module, path: Path) -> str | None:
     """Why the model's pretrained weights cannot be read from `path`'s files name by name (None if they can)."""
-    if tied_parameter_aliases(model):
-        return ("tied weights: " + ", ".join(f"{a} is {c}" for a, c in tied_parameter_aliases(model).items()) +
-                " (the files may hold either name)")
-    if getattr(model, "_checkpoint_conversion_mapping", None):
-        return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
+    problem = model_read_problem(model)
+    if problem:
+        return problem
     try:
         files = tensor_files(weight_files(path))
     except (OSError, ModelDirError) as e:
         return f"cannot read the safetensors files of {path}: {e}"
     if not files:
         return f"{path} has no safetensors files"
-    missing = sorted(set(_base_tensors(model)) - set(files))
+    missing = sorted(set(pretrained_targets(model, files)) - set(files))
     if missing:
         return (f"{len(missing)} of the model's tensors are not in the files under their names (e.g. {missing[0]!r}): "
                 "the checkpoint uses other names")
@@ -215,6 +252,7 @@ def slice_read_problem(model: nn.Module, path: Path) -> str | None:
 def read_pretrained_slices(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Every rank: its slices of the pretrained weights from the files; LoRA's adapters their seeded slices
     (raysft.model.seeded_init: the values add_adapters gives a full model from the same seed)."""
-    read_local_slices(_base_tensors(model), tensor_files(weight_files(Path(cfg.path).expanduser())))
+    files = tensor_files(weight_files(Path(cfg.path).expanduser()))
+    read_local_slices(pretrained_targets(model, files), files)
     if cfg.lora.r:
         init_adapters(model, seed)

@@ -127,7 +127,8 @@ class Plan:
     end_of_backward: float
     checkpoint_bytes: dict[str, float]  # per mode: the whole checkpoint
     save_host_bytes: dict[str, float]  # per mode: host memory of the rank that saves the most, beyond training's
-    init_host_bytes: float  # host memory of a rank building the initial weights, on top of its shards
+    init_host_bytes: float  # host memory of the rank building the initial weights that needs most, beyond its shards
+    rank0_init: str | None  # why rank 0 would load model.path whole and broadcast it (None: each rank its slices)
     host_offload_bytes: float  # per worker, with parallel.cpu_offload: its shards on the host
 
     @property
@@ -139,8 +140,11 @@ class Plan:
         return None if self.topology.gpu_mem_bytes is None else self.peak <= self.topology.gpu_mem_bytes
 
 
-def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | None = None) -> Plan:
-    """The memory a run of `cfg` needs on `topology`; `tokens`: the largest micro-batch (default: its bound)."""
+def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | None = None,
+         rank0_init: str | None = None) -> Plan:
+    """The memory a run of `cfg` needs on `topology`; `tokens`: the largest micro-batch (default: its bound);
+    `rank0_init`: why model.path's weights would be loaded whole by rank 0 (raysft.tools.architectures'
+    initial_weights_fallback), None when each rank reads its slices."""
     s = shard_group(cfg, topology)
     p, r = BYTES[cfg.parallel.mixed_precision], BYTES[cfg.parallel.reduce_dtype]
     tokens = tokens or micro_batch_tokens(cfg)
@@ -176,10 +180,15 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
     # on from); sharded: each rank its shards
     one_tensor = 4 * (shape.largest_module if not cfg.model.lora.r else shape.trainable)
     save_host = {"full": state if cfg.checkpoint.async_save else one_tensor, "sharded": state / s}
-    # model.path: each rank reads its slices from the files, one tensor's slice at a time; from scratch: each
-    # rank builds one module at a time in full and keeps its slices
-    init_host = 4 * shape.largest_module / s if cfg.model.path else 4 * shape.largest_module
-    return Plan(shape, topology, s, tokens, terms, early, end, checkpoint, save_host, init_host,
+    # model.path: each rank reads its slices from the files, one tensor's slice at a time, unless rank 0 loads the
+    # whole fp32 model and broadcasts it; from scratch: each rank builds one module at a time in full and keeps its
+    # slices
+    rank0_init = rank0_init if cfg.model.path else None
+    if rank0_init:
+        init_host = 4 * shape.params
+    else:
+        init_host = 4 * shape.largest_module / s if cfg.model.path else 4 * shape.largest_module
+    return Plan(shape, topology, s, tokens, terms, early, end, checkpoint, save_host, init_host, rank0_init,
                 shards + offloaded if cfg.parallel.cpu_offload else 0.0)
 
 
@@ -219,8 +228,12 @@ def render(cfg: TrainConfig, result: Plan) -> str:
         lines.append("  auto: full while 4 x the checkpoint's size is available on rank 0, else sharded")
     if not cfg.checkpoint.async_save:
         lines.append("  full: one tensor at a time on rank 0 (checkpoint.async gathers the whole state first)")
-    source = ("each rank reads its slices of model.path, one tensor at a time" if cfg.model.path
-              else "each rank, one module at a time (seeded)")
+    if result.rank0_init:
+        source = f"rank 0 loads model.path whole and broadcasts it: {result.rank0_init}"
+    elif cfg.model.path:
+        source = "each rank reads its slices of model.path, one tensor at a time"
+    else:
+        source = "each rank, one module at a time (seeded)"
     lines += ["", f"initial weights, host memory on top of the shards: {result.init_host_bytes / size:.2f} {unit} "
                   f"({source})"]
     return "\n".join(lines)
