@@ -18,12 +18,12 @@ import transformers
 import raysft
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import ConfigError, TrainConfig, load_config
-from raysft.config.checks import check_hsdp_shard_size_fits_nodes
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf.export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
+from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.storage import location
 from raysft.tools.architectures import KNOWN, initial_weights_fallback, plan_architecture
 from raysft.tools.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
