@@ -24,7 +24,7 @@ from torch import nn
 from raysft.checkpoint import CheckpointError
 from raysft.config import LoraConfig, ModelConfig
 from raysft.hf.files import check_config_file, check_model_dir
-from raysft.model.build import build_full_model, tied_parameter_aliases
+from raysft.model.build import build_full_model, check_pretrained_dir, tied_parameter_aliases
 from raysft.model.lora import ADAPTER, peft_config
 from raysft.model.seeded_init import INIT_SCHEME
 
@@ -122,7 +122,9 @@ class _InMemory:
 
 def _base_weights(base: dict, config_dir: Path):
     if base["path"]:
-        return _SafetensorsDir(Path(base["path"]).expanduser())
+        weights = _SafetensorsDir(Path(base["path"]).expanduser())
+        check_pretrained_dir(Path(base["path"]).expanduser(), config_dir)  # every tensor, as the adapters' model's
+        return weights
     model = scratch_base(config_dir, base)
     aliases = tied_parameter_aliases(model)
     return _InMemory({k: v for k, v in model.state_dict().items() if k not in aliases})
@@ -152,6 +154,7 @@ def load_adapter_dir(path: Path) -> nn.Module:
     base_path = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if base_path:
         check_model_dir(Path(base_path))
+        check_pretrained_dir(Path(base_path))
         base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, trust_remote_code=False,
                                                     dtype=torch.float32)
     else:

@@ -20,8 +20,9 @@ from transformers import PreTrainedTokenizerBase
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
+from raysft.errors import ModelDirError, WeightsFileError
 from raysft.model.attention import check_attention
-from raysft.model.build import build_meta_model, load_model_config
+from raysft.model.build import build_meta_model, check_pretrained, load_model_config
 from raysft.model.lora import add_adapters
 from raysft.model.loss import check_chunked_loss
 from raysft.model.seeded_init import INIT_SCHEME
@@ -73,8 +74,15 @@ def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)
     check_sequence_parallel(config, hf_config)
-    if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
-        add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+    if config.model.lora.r or config.model.path:
+        # on the meta device, not in the workers: target_modules that name no layer, and every tensor of the model
+        # in model.path's files with its shape and a dtype the workers' read converts (headers only)
+        model = add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+        if config.model.path:
+            try:
+                check_pretrained(model, Path(config.model.path).expanduser())
+            except (WeightsFileError, ModelDirError) as e:
+                raise ConfigError(f"config key 'model.path': {e}") from None
 
 
 def check_batch(config: TrainConfig, num_samples: int) -> None:

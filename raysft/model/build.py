@@ -22,11 +22,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 
 import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
+from raysft.errors import WeightsFileError
 from raysft.hf.files import ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.hf.tensors import check_dtypes, check_tensors, safetensors_tensors, split_aliases
 from raysft.hf.weights import read_local_slices, tensor_files
 from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adapter
 from raysft.model.seeded_init import clean_name, init_parameters
-from raysft.parallel.collectives import all_ranks
+from raysft.parallel.collectives import all_ranks, from_rank0
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -165,6 +167,9 @@ def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedC
     if not cfg.path:
         init_from_seed(model, seed)
         return None
+    refused = from_rank0(lambda: _refusal(check_pretrained, model, Path(cfg.path).expanduser()))
+    if refused:  # the same error on every rank, not a rank waiting in a collective for one that failed
+        raise WeightsFileError(refused)
     problem = slice_read_problem(model, Path(cfg.path).expanduser())
     if all_ranks(problem is None):
         read_pretrained_slices(model, cfg, seed)
@@ -192,12 +197,51 @@ def _base_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {file_name(n): t for n, t in model.state_dict(keep_vars=True).items() if not is_adapter(n)}
 
 
+def check_pretrained(model: nn.Module, path: Path) -> None:
+    """WeightsFileError (or ModelDirError), naming the file and the tensor, unless `path`'s safetensors files hold
+    every pretrained tensor of `model` (sharded, on the meta device or real: only names, shapes and dtypes count)
+    with its shape and a dtype the read converts correctly (raysft.hf.tensors). Headers only. A model that renames
+    the files' tensors on load has its names checked by from_pretrained (build_full_model), its dtypes here."""
+    stored = safetensors_tensors(weight_files(path))
+    if renames_on_load(model):
+        check_dtypes(stored, WeightsFileError)
+        return
+    expected, aliases = split_aliases(_base_tensors(model))
+    check_tensors(expected, stored, str(path), WeightsFileError, aliases)
+
+
+def check_pretrained_dir(path: Path, config_dir: Path | None = None) -> None:
+    """check_pretrained for a model directory read on its own (chat, a LoRA export's base): against the model that
+    its config.json (or config_dir's) describes, built on the meta device."""
+    config = AutoConfig.from_pretrained(config_dir or path, local_files_only=True, trust_remote_code=False)
+    check_pretrained(build_meta_model(config, "eager"), path)
+
+
+def renames_on_load(model: nn.Module) -> bool:
+    """Whether transformers maps the files' tensor names to other ones when it loads this model."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return bool(getattr(model, "_checkpoint_conversion_mapping", None)
+                or get_checkpoint_conversion_mapping(getattr(model.config, "model_type", "")))
+
+
+def _refusal(check: Callable[..., None], *args) -> str | None:
+    """The message of check(*args)'s refusal (None if it passes): for from_rank0, which must not raise."""
+    try:
+        check(*args)
+    except (WeightsFileError, ModelDirError, OSError) as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors for a file that changed since the driver's check
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def slice_read_problem(model: nn.Module, path: Path) -> str | None:
     """Why the model's pretrained weights cannot be read from `path`'s files name by name (None if they can)."""
     if tied_parameter_aliases(model):
         return ("tied weights: " + ", ".join(f"{a} is {c}" for a, c in tied_parameter_aliases(model).items()) +
                 " (the files may hold either name)")
-    if getattr(model, "_checkpoint_conversion_mapping", None):
+    if renames_on_load(model):
         return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
     try:
         files = tensor_files(weight_files(path))
