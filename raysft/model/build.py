@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
 from raysft.errors import WeightsFileError
-from raysft.hf.files import ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.hf.files import INDEX_FILE, ModelDirError, check_config_file, check_model_dir, weight_files
 from raysft.hf.tensors import check_dtypes, check_tensors, safetensors_tensors, split_aliases
 from raysft.hf.weights import read_local_slices, tensor_files
 from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adapter
@@ -202,12 +202,15 @@ def check_pretrained(model: nn.Module, path: Path) -> None:
     every pretrained tensor of `model` (sharded, on the meta device or real: only names, shapes and dtypes count)
     with its shape and a dtype the read converts correctly (raysft.hf.tensors). Headers only. A model that renames
     the files' tensors on load has its names checked by from_pretrained (build_full_model), its dtypes here."""
-    stored = safetensors_tensors(weight_files(path))
+    files = weight_files(path)
+    stored = safetensors_tensors(files)
     if renames_on_load(model):
         check_dtypes(stored, WeightsFileError)
         return
     expected, aliases = split_aliases(_base_tensors(model))
-    check_tensors(expected, stored, str(path), WeightsFileError, aliases)
+    index = path / INDEX_FILE
+    where = index if index.is_file() else ", ".join(str(f) for f in files) or f"{path} (no safetensors files)"
+    check_tensors(expected, stored, str(where), WeightsFileError, aliases)
 
 
 def check_pretrained_dir(path: Path, config_dir: Path | None = None) -> None:
