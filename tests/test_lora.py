@@ -301,3 +301,49 @@ def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_set
         claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": first}), "data")  # continues
         with pytest.raises(ConfigError, match="model.lora must match"):
             claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": then}), "data")
+
+
+def _save_base(path: Path, seed: int) -> Path:
+    tokenizer = load_tokenizer(ModelConfig(), "auto")
+    build_full_model(ModelConfig(), load_model_config(ModelConfig(), tokenizer), seed=seed).save_pretrained(
+        path, max_shard_size="2MB")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full_fine_tuning"])
+def test_a_relaunch_on_other_weights_of_the_same_shapes_at_model_path_is_refused_naming_the_file(tmp_path, lora_r):
+    """The run's identity pins its base by a fingerprint of model.path's files (size, header, sampled bytes of
+    every tensor): the same weights copied back (new mtimes) continue; one tensor changed, or the whole base
+    replaced by another of the same shapes, is refused naming the run, model.path and the files, with --fresh."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from raysft.launch.prelaunch import claim_run_dir
+
+    base, other = _save_base(tmp_path / "base", seed=3), _save_base(tmp_path / "other", seed=4)
+    files = sorted(p.name for p in base.glob("*.safetensors"))
+    assert len(files) >= 2 and files == sorted(p.name for p in other.glob("*.safetensors"))
+    cfg = run_config(tmp_path, "run", **{**LORA, "model.lora.r": lora_r, "model.path": str(base)})
+    claim_run_dir(cfg, "data")
+    for name in files:  # the same bytes again, with new mtimes: the same base
+        shutil.copy(base / name, tmp_path / name)
+        shutil.move(tmp_path / name, base / name)
+        os.utime(base / name, (1, 1))
+    claim_run_dir(cfg, "data")
+    refused = (f"run 'run' in {cfg.run_dir} exists and the weights at model.path {base} are not those it started "
+               "from: {}.*--fresh")
+    middle = base / files[1]
+    tensors = load_file(middle)
+    name = next(iter(tensors))
+    save_file({**tensors, name: tensors[name].roll(1, 0)}, middle, metadata={"format": "pt"})  # same shape, header
+    with pytest.raises(ConfigError, match=refused.format(f"{files[1]} differs")):
+        claim_run_dir(cfg, "data")
+    for name in files:  # another model of the same shapes in its place
+        shutil.copy(other / name, base / name)
+    with pytest.raises(ConfigError, match=refused.format(", ".join(f"{n} differs" for n in files))):
+        claim_run_dir(cfg, "data")
+    assert claim_run_dir(cfg, "data", fresh=True)  # started over on the new base, the old run kept
+    claim_run_dir(cfg, "data")
