@@ -249,7 +249,9 @@ WRONG_WEIGHTS = {  # what a reader of model.path must refuse, after the file it 
 def test_weights_that_lack_a_tensor_or_hold_another_shape_or_quantized_values_are_refused_before_the_data_is_read(
         tmp_path, model_dir, fault):
     """Trained and exported with exit 0 before (a missing tensor random, int8 codes read as weights): refused on the
-    driver, from the headers, naming the file and the tensor; and by chat."""
+    driver, from the headers, naming the file and the tensor; by chat, and as the base of a merged LoRA export."""
+    from raysft.errors import WeightsFileError
+    from raysft.hf.adapters import _base_weights
     from raysft.launch.prelaunch import prepare_launch
 
     d = broken_copy(model_dir, tmp_path, fault)
@@ -260,6 +262,8 @@ def test_weights_that_lack_a_tensor_or_hold_another_shape_or_quantized_values_ar
     chat = cli_in_process("chat", str(d), "--prompt", "hi")
     assert chat.returncode == 1 and "Traceback" not in chat.stderr
     assert re.match(f"raysft: error: (WeightsFileError|ModelDirError): {d}/{WRONG_WEIGHTS[fault]}", chat.stderr)
+    with pytest.raises((WeightsFileError, ModelDirError), match=f"{d}/{WRONG_WEIGHTS[fault]}"):
+        _base_weights({"path": str(d), "seed": 1}, d)  # a LoRA run's base, as export --merge reads it
 
 
 def initial_weights(ctx, path: str) -> str:
