@@ -200,8 +200,9 @@ def _base_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def check_pretrained(model: nn.Module, path: Path) -> None:
     """WeightsFileError (or ModelDirError), naming the file and the tensor, unless `path`'s safetensors files hold
     every pretrained tensor of `model` (sharded, on the meta device or real: only names, shapes and dtypes count)
-    with its shape and a dtype the read converts correctly (raysft.hf.tensors). Headers only. A model that renames
-    the files' tensors on load has its names checked by from_pretrained (build_full_model), its dtypes here."""
+    with its shape and a dtype the read converts correctly (raysft.hf.tensors). Headers only. Of a model whose
+    files transformers renames on load (a conversion mapping: not the LLaMA family's) only the dtypes are checked:
+    its names in the files are not its parameters' names."""
     files = weight_files(path)
     stored = safetensors_tensors(files)
     if renames_on_load(model):
