@@ -2,17 +2,19 @@
 checkpoints that hold only the adapters, exact resume, and both exports."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import STEPS, cli_in_process, run_config, step_losses, tiny_config
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import raysft
 from raysft.checkpoint import (
     STATE_FILE,
+    CheckpointError,
     DirectorySink,
     checkpoint_dirs,
     incomplete_reason,
@@ -260,7 +262,9 @@ def test_target_modules_that_name_no_layer_are_a_config_error_on_the_driver():
 def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_adapter_chat_loads(tmp_path,
                                                                                                 gloo_pool):
     """model.path: a sharded HF directory. The merged export streams its safetensors shards; the adapter export
-    names it as peft's base_model_name_or_path; both give the same logits, and `raysft chat` loads the adapter."""
+    names it as peft's base_model_name_or_path; both give the same logits, and `raysft chat` loads the adapter.
+    Once the base is changed (one tensor, same shape), both refuse it, naming the file: the checkpoint's record
+    holds the fingerprint of the base the adapters were trained on."""
     from raysft.cli import main
 
     tokenizer = load_tokenizer(ModelConfig(), "auto")
@@ -290,6 +294,17 @@ def test_a_lora_run_on_a_pretrained_base_exports_merged_with_the_cli_and_as_an_a
                                                                                              "merged")]
     assert all(o.returncode == 0 for o in outs) and outs[0].stdout == outs[1].stdout, [o.stderr[-2000:] for o in outs]
 
+    first = sorted(base_dir.glob("model-*.safetensors"))[0]  # the base changed under the adapters, same shapes
+    tensors = load_file(first)
+    name = next(iter(tensors))
+    save_file({**tensors, name: tensors[name].roll(1, 0)}, first, metadata={"format": "pt"})
+    swapped = f"{base_dir}: the base weights are not those the adapters were trained on: {first.name} differs"
+    refused = cli_in_process("export", str(ckpt), str(tmp_path / "merged-again"), "--merge")
+    assert refused.returncode == 1 and f"CheckpointError: {swapped}" in refused.stderr, refused.stderr
+    with pytest.raises(CheckpointError, match=re.escape(swapped)):
+        ChatModel.load(adapter)
+    assert not (tmp_path / "merged-again").exists()
+
 
 def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_settings(tmp_path):
     from raysft.launch.prelaunch import claim_run_dir
@@ -301,3 +316,47 @@ def test_a_lora_run_is_not_continued_as_full_fine_tuning_nor_with_other_lora_set
         claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": first}), "data")  # continues
         with pytest.raises(ConfigError, match="model.lora must match"):
             claim_run_dir(run_config(tmp_path, f"run{i}", **{**LORA, f"model.lora.{key}": then}), "data")
+
+
+def _save_base(path: Path, seed: int) -> Path:
+    tokenizer = load_tokenizer(ModelConfig(), "auto")
+    build_full_model(ModelConfig(), load_model_config(ModelConfig(), tokenizer), seed=seed).save_pretrained(
+        path, max_shard_size="2MB")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("lora_r", [4, 0], ids=["lora", "full_fine_tuning"])
+def test_a_relaunch_on_other_weights_of_the_same_shapes_at_model_path_is_refused_naming_the_file(tmp_path, lora_r):
+    """The run's identity pins its base by a fingerprint of model.path's files (size, header, sampled bytes of
+    every tensor): the same weights copied back (new mtimes) continue; one tensor changed, or the whole base
+    replaced by another of the same shapes, is refused naming the run, model.path and the files, with --fresh."""
+    import os
+    import shutil
+
+    from raysft.launch.prelaunch import claim_run_dir
+
+    base, other = _save_base(tmp_path / "base", seed=3), _save_base(tmp_path / "other", seed=4)
+    files = sorted(p.name for p in base.glob("*.safetensors"))
+    assert len(files) >= 2 and files == sorted(p.name for p in other.glob("*.safetensors"))
+    cfg = run_config(tmp_path, "run", **{**LORA, "model.lora.r": lora_r, "model.path": str(base)})
+    claim_run_dir(cfg, "data")
+    for name in files:  # the same bytes again, with new mtimes: the same base
+        shutil.copy(base / name, tmp_path / name)
+        shutil.move(tmp_path / name, base / name)
+        os.utime(base / name, (1, 1))
+    claim_run_dir(cfg, "data")
+    refused = (f"run 'run' in {cfg.run_dir} exists and the weights at model.path {base} are not those it started "
+               "from: {}.*--fresh")
+    middle = base / files[1]
+    tensors = load_file(middle)
+    name = next(iter(tensors))
+    save_file({**tensors, name: tensors[name].roll(1, 0)}, middle, metadata={"format": "pt"})  # same shape, header
+    with pytest.raises(ConfigError, match=refused.format(f"{files[1]} differs")):
+        claim_run_dir(cfg, "data")
+    for name in files:  # another model of the same shapes in its place
+        shutil.copy(other / name, base / name)
+    with pytest.raises(ConfigError, match=refused.format(", ".join(f"{n} differs" for n in files))):
+        claim_run_dir(cfg, "data")
+    assert claim_run_dir(cfg, "data", fresh=True)  # started over on the new base, the old run kept
+    claim_run_dir(cfg, "data")

@@ -3,6 +3,7 @@ Ray starts and before the data is tokenized; no code of it runs and nobody is as
 
 import io
 import json
+import re
 import shutil
 import struct
 import sys
@@ -206,3 +207,106 @@ def test_both_readers_of_an_index_refuse_a_broken_one_each_with_its_own_error(tm
         weight_files(tmp_path)
     with pytest.raises(CheckpointError, match=checkpoint_message):
         listed_files(tmp_path, "model")
+
+
+def edit_weights(d, edit):
+    from safetensors.torch import load_file, save_file
+
+    save_file(edit(load_file(d / "model.safetensors")), d / "model.safetensors", metadata={"format": "pt"})
+
+
+def without_the_norm(d):
+    edit_weights(d, lambda t: {k: v for k, v in t.items() if k != "model.norm.weight"})
+
+
+def norm_of_129(d):
+    import torch
+
+    edit_weights(d, lambda t: {**t, "model.norm.weight": torch.ones(129)})
+
+
+def int8_with_scales(d):
+    """Each linear weight as int8 codes and a per-row scale, as int8 quantizers store them."""
+    import torch
+
+    def quantize(tensors):
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("proj.weight"):
+                scale = t.abs().amax(dim=1, keepdim=True) / 127
+                out[name], out[name.replace(".weight", ".weight_scale")] = (t / scale).round().to(torch.int8), scale
+            else:
+                out[name] = t
+        return out
+    edit_weights(d, quantize)
+
+
+def int8_with_scales_and_quantization_config(d):
+    int8_with_scales(d)
+    edit_json(d / "config.json", quantization_config={"quant_method": "compressed-tensors", "format": "int-quantized"})
+
+
+def fp8_weight(d):
+    import torch
+
+    edit_weights(d, lambda t: {**t, "lm_head.weight": t["lm_head.weight"].to(torch.float8_e4m3fn)})
+
+
+WRONG_WEIGHTS = {  # what a reader of model.path must refuse, after the file it names
+    without_the_norm: r"model\.safetensors: tensor 'model\.norm\.weight' of the model is in none of the files",
+    norm_of_129: r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[129\], the model's is \[128\]",
+    int8_with_scales: r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' is I8, which raysft "
+                      "does not convert into the model's F32 parameters",
+    int8_with_scales_and_quantization_config: r"config\.json: quantization_config says the weights are quantized "
+                                              r"\(compressed-tensors\)",
+    fp8_weight: r"model\.safetensors: tensor 'lm_head\.weight' is F8_E4M3, which raysft does not convert",
+}
+
+
+@pytest.mark.parametrize("fault", WRONG_WEIGHTS, ids=lambda f: f.__name__)
+def test_weights_that_lack_a_tensor_or_hold_another_shape_or_quantized_values_are_refused_before_the_data_is_read(
+        tmp_path, model_dir, fault):
+    """Trained and exported with exit 0 before (a missing tensor random, int8 codes read as weights): refused on the
+    driver, from the headers, naming the file and the tensor; by chat, and as the base of a merged LoRA export."""
+    from raysft.errors import WeightsFileError
+    from raysft.hf.adapters import _base_weights
+    from raysft.launch.prelaunch import prepare_launch
+
+    d = broken_copy(model_dir, tmp_path, fault)
+    cfg = tiny_config(tmp_path, **{"model.path": str(d), "model.tokenizer": ""})
+    with pytest.raises(ConfigError, match=f"config key 'model.path': {d}/{WRONG_WEIGHTS[fault]}"):
+        prepare_launch(cfg)
+    assert not cfg.store_dir.exists() and not cfg.run_dir.exists()
+    chat = cli_in_process("chat", str(d), "--prompt", "hi")
+    assert chat.returncode == 1 and "Traceback" not in chat.stderr
+    assert re.match(f"raysft: error: (WeightsFileError|ModelDirError): {d}/{WRONG_WEIGHTS[fault]}", chat.stderr)
+    with pytest.raises((WeightsFileError, ModelDirError), match=f"{d}/{WRONG_WEIGHTS[fault]}"):
+        _base_weights({"path": str(d), "seed": 1}, d)  # a LoRA run's base, as export --merge reads it
+
+
+def initial_weights(ctx, path: str) -> str:
+    """On every rank: the model built as the trainer builds it (unsharded here) and its initial weights from path."""
+    import torch
+    from transformers import AutoConfig
+
+    from raysft.errors import WeightsFileError
+    from raysft.model.build import build_meta_model, load_initial_weights, materialize
+
+    model = build_meta_model(AutoConfig.from_pretrained(path), "sdpa")
+    materialize(model, torch.device("cpu"))
+    try:
+        load_initial_weights(model, ModelConfig(path=path), model.config, seed=1)
+    except WeightsFileError as e:
+        return str(e)
+    return "loaded"
+
+
+@pytest.mark.parametrize("fault", [without_the_norm, int8_with_scales, fp8_weight], ids=lambda f: f.__name__)
+def test_the_per_rank_read_refuses_such_weights_on_every_rank(tmp_path, model_dir, fault, gloo_pool):
+    """The files may change after the driver checked them: the workers' read checks them again (rank 0 reads the
+    headers, every rank raises), instead of rank 0's from_pretrained filling a missing tensor with random values or
+    a copy turning int8 codes into floats."""
+    d = broken_copy(model_dir, tmp_path, fault)
+    outcomes = gloo_pool.run(initial_weights, str(d))
+    assert all(re.match(f"{d}/{WRONG_WEIGHTS[fault]}", o) for o in outcomes), outcomes
+    assert gloo_pool.run(initial_weights, str(model_dir)) == ["loaded", "loaded"]

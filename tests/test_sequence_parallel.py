@@ -120,7 +120,7 @@ def test_sequence_parallel_matches_a_single_process_reference(tmp_path, gloo_poo
     # steps from drifting further. The losses differ from fp32's (bf16 did compute) by less than 1%.
     bf16 = _losses(tmp_path, "sp2-bf16")
     torch.testing.assert_close(bf16, ref_losses, rtol=1e-2, atol=0, msg=lambda m: f"sp2-bf16 losses: {m}")
-    assert max(abs(a - b) for a, b in zip(bf16, ref_losses)) > 1e-4
+    assert max(abs(a - b) for a, b in zip(bf16, ref_losses, strict=True)) > 1e-4
     lora_losses, lora_weights = reference(_config(tmp_path, "ref-lora", **padded, **{"model.lora.r": 4}), store)
     _assert_matches(tmp_path, "sp2-lora", lora_losses, lora_weights)
 

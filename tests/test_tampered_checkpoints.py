@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import tiny_config
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import raysft.checkpoint.manifest as manifest_module
@@ -31,7 +32,8 @@ from raysft.checkpoint.dcp_read import dcp_reader
 from raysft.cli import main
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf.export import EXPORT_FILE, export
+from raysft.hf import shards as hf_shards
+from raysft.hf.export import EXPORT_FILE, INDEX_FILE, export
 from raysft.launch.prelaunch import claim_run_dir
 from raysft.tools.chat import ChatModel
 from raysft.training.trainer import Trainer, WorkerContext
@@ -266,3 +268,75 @@ def test_chat_refuses_a_full_checkpoint_stripped_of_its_manifest_and_state(runs,
                                               "be checked"):
         ChatModel.load(ckpt)
     assert ChatModel.load(export(runs["full"].run_dir / "checkpoint_00000001", tmp_path / "hf")).tokenizer
+
+
+def rewrite_model_files(ckpt: Path, edit) -> list[str]:
+    """The full checkpoint's model tensors, changed by `edit`, written back in two files with an index as HF
+    writes a large model; the manifest re-signed (it proves completeness, not contents). Returns the files."""
+    tensors = edit(load_file(ckpt / "model.safetensors"))
+    (ckpt / "model.safetensors").unlink()
+    names = list(tensors)
+    groups = [names[:len(names) // 2], names[len(names) // 2:]]
+    files = hf_shards.file_names("model", 2)
+    for group, name in zip(groups, files, strict=True):
+        save_file({n: tensors[n] for n in group}, ckpt / name, metadata={"format": "pt"})
+    hf_shards.write_index(ckpt, "model", groups, files, sum(t.nbytes for t in tensors.values()))
+    resign(ckpt)
+    return files
+
+
+def without_the_norm(tensors):
+    return {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+
+
+def norm_of_129(tensors):
+    return {**tensors, "model.norm.weight": torch.ones(129)}
+
+
+def norm_of_int8(tensors):
+    return {**tensors, "model.norm.weight": torch.ones(128, dtype=torch.int8)}
+
+
+WRONG_FULL = {  # the edit, and what the refusal says after the file it names
+    without_the_norm: (lambda ckpt, files: ckpt / INDEX_FILE,
+                       "tensor 'model.norm.weight' of the model is in none of the files"),
+    norm_of_129: (lambda ckpt, files: ckpt / files[1],
+                  r"tensor 'model.norm.weight' has shape \[129\], the model's is \[128\]"),
+    norm_of_int8: (lambda ckpt, files: ckpt / files[1],
+                   "tensor 'model.norm.weight' is I8, which raysft does not convert into the model's F32 parameters"),
+}
+
+
+@pytest.mark.parametrize("edit", WRONG_FULL, ids=lambda f: f.__name__)
+def test_a_full_checkpoint_whose_files_lack_a_tensor_or_hold_another_shape_or_dtype_is_refused_everywhere(
+        runs, tmp_path, edit, capsys):
+    """Exported with exit 0 and chatted with (transformers filling the missing norm with random values): export,
+    chat and resume each refuse it, naming the file and the tensor, from the headers alone."""
+    ckpt = copy(runs["full"].run_dir / "checkpoint_00000001", tmp_path / "run" / "checkpoint_00000001")
+    files = rewrite_model_files(ckpt, edit)
+    assert incomplete_reason(ckpt) is None
+    file, why = WRONG_FULL[edit]
+    refused = f"{re.escape(str(file(ckpt, files)))}: {why}"
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 1
+    assert re.search(f"CheckpointError: {refused}", capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=refused):
+        ChatModel.load(ckpt)
+    with pytest.raises(CheckpointError, match=refused):
+        trainer(runs["full"], resume_dir=ckpt)
+
+
+def test_a_sharded_checkpoint_whose_index_lacks_a_tensor_is_refused_by_export_chat_and_resume(runs, tmp_path):
+    ckpt = copy(runs["sharded"].run_dir / "checkpoint_00000002", tmp_path / "run" / "checkpoint_00000002")
+    metadata = dcp_reader(ckpt).read_metadata()
+    del metadata.state_dict_metadata["model.model.norm.weight"]
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    resign(ckpt)
+    refused = f"{re.escape(str(ckpt / '.metadata'))}: tensor 'model.norm.weight' of the model is in none of the files"
+    with pytest.raises(CheckpointError, match=refused):
+        export(ckpt, tmp_path / "out")
+    with pytest.raises(CheckpointError, match=refused):
+        ChatModel.load(ckpt)
+    with pytest.raises(CheckpointError, match=refused):
+        trainer(runs["sharded"], resume_dir=ckpt)
+    assert not (tmp_path / "out").exists()

@@ -38,8 +38,9 @@ from torch.distributed.tensor import DTensor, Shard
 from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
-from raysft.checkpoint.trainable import check_adapter_names, state_dict_options
+from raysft.checkpoint.trainable import check_adapter_names, check_saved_tensors, state_dict_options
 from raysft.hf import shards as hf_shards
+from raysft.hf.tensors import safetensors_tensors
 from raysft.hf.weights import WeightsFileError, read_local_slices
 from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.storage import Location, location
@@ -277,6 +278,14 @@ def _check_headers(ckpt_dir: Path, objs: TrainingObjects) -> None:
     hf_shards.tensor_map(ckpt_dir, "optimizer")
     if objs.lora:
         check_adapter_names(objs.model, list(model), str(ckpt_dir))
+    check_model_tensors(ckpt_dir, model, objs)
+
+
+def check_model_tensors(ckpt_dir: Path, files: dict[str, Path], objs: TrainingObjects) -> None:
+    """Every tensor of the model in the model files, of its shape and a dtype read correctly (headers only)."""
+    index = ckpt_dir / hf_shards.index_name("model")
+    where = index if index.is_file() else ckpt_dir / "model.safetensors"
+    check_saved_tensors(objs.model, safetensors_tensors(dict.fromkeys(files.values())), str(where))
 
 
 def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
@@ -306,6 +315,7 @@ def _read_whole(ckpt_dir: Path | Location, objs: TrainingObjects) -> tuple[dict,
         _restore_aliases(model_sd, objs.aliases)
         if objs.lora:
             check_adapter_names(objs.model, model_sd, str(ckpt_dir))
+        check_model_tensors(local, hf_shards.tensor_map(local, "model"), objs)
         return model_sd, _read_optimizer(local)
 
 

@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -29,7 +29,8 @@ from raysft.checkpoint.background import chain, checkpoint_group, run_now
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dcp_reader
 from raysft.checkpoint.manifest import HashingWriter
 from raysft.checkpoint.state import CheckpointError, TrainingObjects
-from raysft.checkpoint.trainable import state_dict_options
+from raysft.checkpoint.trainable import check_saved_tensors, state_dict_options
+from raysft.hf.tensors import Stored, dtype_name
 from raysft.storage import Location
 
 
@@ -90,7 +91,8 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     options = state_dict_options(objs.model)  # LoRA: the adapters only; DCP refuses a checkpoint that lacks one
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer, options=options)
     reader = dcp_reader(ckpt_dir)
-    read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it in a traceback)
+    index = read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it)
+    check_saved_tensors(objs.model, model_tensors(index, ckpt_dir), f"{ckpt_dir}/.metadata")
     try:
         dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
@@ -104,6 +106,13 @@ def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None
         return (reader or dcp_reader(ckpt_dir)).read_metadata()
     except (OSError, UnsafeCheckpointData) as e:
         raise CheckpointError(f"{ckpt_dir}: cannot read the sharded checkpoint's index: {e}") from e
+
+
+def model_tensors(index: Metadata, ckpt_dir: Path | Location) -> dict[str, Stored]:
+    """The model tensors a DCP index lists, as raysft.hf.tensors describes stored tensors."""
+    return {key.removeprefix("model."): Stored(f"{ckpt_dir}/.metadata", tuple(m.size), dtype_name(m.properties.dtype))
+            for key, m in index.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
 
 
 def _first_failure(e: BaseException) -> BaseException:

@@ -5,6 +5,8 @@ Modules, by role:
   files     checks on a model or tokenizer directory before transformers reads it (no code, sound headers)
   shards    a model's tensors over files of about 5 GiB: the one reader and writer of `*.safetensors.index.json`
   weights   each rank's slices of named tensors, read from safetensors files into sharded parameters
+  tensors   the one check of weights against the model reading them: every tensor, its shape, a dtype read right
+  fingerprint  a cheap fingerprint of a model directory's weights (the base a run started from, in its identity)
   export    a checkpoint (full or sharded) -> a model directory `from_pretrained` loads
   adapters  a LoRA checkpoint -> a peft adapter directory, or merged into its base; loading what that writes
 """

@@ -24,7 +24,8 @@ from torch import nn
 from raysft.checkpoint import CheckpointError
 from raysft.config import LoraConfig, ModelConfig
 from raysft.hf.files import check_config_file, check_model_dir
-from raysft.model.build import build_full_model, tied_parameter_aliases
+from raysft.hf.fingerprint import changed_files, weights_fingerprint
+from raysft.model.build import build_full_model, check_pretrained_dir, tied_parameter_aliases
 from raysft.model.lora import ADAPTER, peft_config
 from raysft.model.seeded_init import INIT_SCHEME
 
@@ -122,10 +123,27 @@ class _InMemory:
 
 def _base_weights(base: dict, config_dir: Path):
     if base["path"]:
-        return _SafetensorsDir(Path(base["path"]).expanduser())
+        check_base_weights(base)
+        weights = _SafetensorsDir(Path(base["path"]).expanduser())
+        check_pretrained_dir(Path(base["path"]).expanduser(), config_dir)  # every tensor, as the adapters' model's
+        return weights
     model = scratch_base(config_dir, base)
     aliases = tied_parameter_aliases(model)
     return _InMemory({k: v for k, v in model.state_dict().items() if k not in aliases})
+
+
+def check_base_weights(base: dict) -> None:
+    """CheckpointError, naming the files that changed, unless the weights at the base's path are those the adapters
+    were trained on (the fingerprint its record holds; a checkpoint of a raysft that recorded none is not checked):
+    adapters merged into, or loaded on, another base of the same shapes would be silently wrong."""
+    recorded = base.get("weights")
+    if not recorded:
+        return
+    now = weights_fingerprint(Path(base["path"]).expanduser())
+    if now != recorded:
+        raise CheckpointError(f"{base['path']}: the base weights are not those the adapters were trained on: "
+                              f"{', '.join(changed_files(recorded, now))} (by size, header and sampled bytes); put "
+                              "the run's base back at that path to export or chat with these adapters")
 
 
 def scratch_base(config_dir: Path, base: dict) -> nn.Module:
@@ -152,6 +170,9 @@ def load_adapter_dir(path: Path) -> nn.Module:
     base_path = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if base_path:
         check_model_dir(Path(base_path))
+        if (path / "raysft_export.json").is_file():  # an adapter export of raysft: its base recorded
+            check_base_weights(json.loads((path / "raysft_export.json").read_text())["lora"]["base"])
+        check_pretrained_dir(Path(base_path))
         base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, trust_remote_code=False,
                                                     dtype=torch.float32)
     else:

@@ -29,9 +29,14 @@ from raysft.checkpoint import (
 )
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
 from raysft.checkpoint.discovery import RUN_FILE
+from raysft.checkpoint.sharded import model_tensors
+from raysft.checkpoint.trainable import check_saved_tensors
 from raysft.data.labels import stop_token_ids
 from raysft.hf import shards as hf_shards
-from raysft.hf.adapters import merged_weights, write_adapter
+from raysft.hf.adapters import lora_config, merged_weights, write_adapter
+from raysft.hf.tensors import Stored, safetensors_tensors
+from raysft.model.build import build_meta_model
+from raysft.model.lora import add_adapters
 from raysft.parallel.fsdp import DTYPES
 from raysft.storage import Location, built_then_renamed, location, native
 
@@ -76,6 +81,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
                 (ckpt / name).download(tmp / name)
         with local_copy(ckpt, _is_model_file) if mode == "full" else contextlib.nullcontext() as local:
             weights = _FullWeights(local) if mode == "full" else _ShardedWeights(ckpt)
+            check_checkpoint_tensors(weights.stored, tmp, lora, weights.where)
             if lora and not merge:
                 write_adapter(weights, lora, tmp, DTYPES[dtype])
             else:
@@ -123,10 +129,31 @@ def _is_model_file(name: str) -> bool:
     return hf_shards.is_layout_file(name) and name.startswith("model")
 
 
+def check_checkpoint_tensors(stored: dict[str, Stored], config_dir: Path, lora: dict | None, where: str) -> None:
+    """CheckpointError, naming the file and the tensor, unless the checkpoint's model tensors are exactly those of
+    the model its config.json describes (built on the meta device), each of its shape and a dtype read correctly
+    (raysft.hf.tensors); a LoRA checkpoint's, those of its adapters. `where` names the checkpoint's model files."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(config_dir, local_files_only=True, trust_remote_code=False)
+    model = build_meta_model(config, "eager")
+    check_saved_tensors(add_adapters(model, lora_config(lora)) if lora else model, stored, where)
+
+
+def full_checkpoint_tensors(ckpt: Path) -> tuple[dict[str, Stored], str]:
+    """The model tensors of a full checkpoint's files as their headers describe them, and the file that names them
+    all (the index, or the one file)."""
+    index = ckpt / INDEX_FILE
+    files = hf_shards.tensor_map(ckpt, "model")
+    return safetensors_tensors(dict.fromkeys(files.values())), str(index if index.is_file() else
+                                                                    ckpt / "model.safetensors")
+
+
 class _FullWeights:
     """Tensors of a full checkpoint's model files (one, or several and their index), read lazily."""
 
     def __init__(self, ckpt: Path):
+        self.stored, self.where = full_checkpoint_tensors(ckpt)
         self.files = hf_shards.tensor_map(ckpt, "model")
         self.sizes, self.floating = {}, {}
         for path in dict.fromkeys(self.files.values()):
@@ -148,11 +175,13 @@ class _ShardedWeights:
 
     def __init__(self, ckpt: Location):
         self.ckpt = ckpt
-        metadata = read_index(native(ckpt)).state_dict_metadata
-        self.meta = {key.removeprefix("model."): m for key, m in metadata.items()
+        metadata = read_index(native(ckpt))
+        self.meta = {key.removeprefix("model."): m for key, m in metadata.state_dict_metadata.items()
                      if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         self.sizes = {name: m.size.numel() * m.properties.dtype.itemsize for name, m in self.meta.items()}
         self.floating = {name: m.properties.dtype.is_floating_point for name, m in self.meta.items()}
+        self.where = f"{ckpt}/.metadata"
+        self.stored = model_tensors(metadata, ckpt)
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         tensors = {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}

@@ -58,10 +58,23 @@ def check_config_file(path: Path) -> None:
             "directory without auto_map")
 
 
+def refuse_quantized(directory: Path) -> None:
+    """ModelDirError if config.json says the weights are quantized (a `quantization_config`): raysft reads weights
+    as values, and quantized ones are codes that mean something only with their scales and method."""
+    config = directory / "config.json"
+    quantization = read_json(config).get("quantization_config") if config.is_file() else None
+    if quantization is not None:
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+        raise ModelDirError(f"{config}: quantization_config says the weights are quantized ({method}); raysft trains, "
+                            "exports and chats with unquantized weights only (float32, bfloat16, float16): use the "
+                            "model's unquantized release, or dequantize it first")
+
+
 def check_model_dir(directory: Path) -> None:
     """What from_pretrained reads in a model directory: its configs (JSON, asking for no code) and the header of
     each safetensors weight file (within the file, readable by safetensors), without reading the weights."""
     refuse_code(directory)
+    refuse_quantized(directory)
     for path in weight_files(directory):
         check_safetensors(path)
 

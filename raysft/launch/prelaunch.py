@@ -21,8 +21,10 @@ from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, new_run_id
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
+from raysft.errors import ModelDirError, WeightsFileError
+from raysft.hf.fingerprint import changed_files, weights_fingerprint
 from raysft.model.attention import check_attention
-from raysft.model.build import build_meta_model, load_model_config
+from raysft.model.build import build_meta_model, check_pretrained, load_model_config
 from raysft.model.lora import add_adapters
 from raysft.model.loss import check_chunked_loss
 from raysft.model.seeded_init import INIT_SCHEME
@@ -35,6 +37,7 @@ from raysft.training.trackers import check_trackers
 RUN_DEFINING_KEYS = ("model.path", "model.config", "model.tokenizer", "train.seed")
 DATA_KEY = "data"  # the tokenized store's fingerprint: data files' contents, tokenizer, template, length
 INIT_KEY = "model.init"  # the seeded initialization's scheme, for a run whose base is rebuilt from the seed
+WEIGHTS_KEY = "model.weights"  # the fingerprint of model.path's files (raysft.hf.fingerprint)
 
 
 class Stores(NamedTuple):
@@ -79,8 +82,15 @@ def check_architecture(config: TrainConfig, hf_config: PretrainedConfig) -> None
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)
     check_sequence_parallel(config, hf_config)
-    if config.model.lora.r:  # target_modules that name no layer: found here, on the meta device, not in the workers
-        add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+    if config.model.lora.r or config.model.path:
+        # on the meta device, not in the workers: target_modules that name no layer, and every tensor of the model
+        # in model.path's files with its shape and a dtype the workers' read converts (headers only)
+        model = add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+        if config.model.path:
+            try:
+                check_pretrained(model, Path(config.model.path).expanduser())
+            except (WeightsFileError, ModelDirError) as e:
+                raise ConfigError(f"config key 'model.path': {e}") from None
 
 
 def check_batch(config: TrainConfig, num_samples: int) -> None:
@@ -111,13 +121,20 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     path = run_dir / RUN_FILE
     if path.is_file():
         recorded = json.loads(path.read_text())
+        if WEIGHTS_KEY not in recorded:  # started by a raysft that did not fingerprint the base: nothing to compare
+            identity.pop(WEIGHTS_KEY, None)
         changed = [k for k in {**recorded, **identity} if k != RUN_ID_KEY and recorded.get(k) != identity.get(k)]
         if len(changed) > 1 and INIT_KEY in changed:  # it follows model.lora or model.path: those are named
             changed.remove(INIT_KEY)
+        if "model.path" in changed and WEIGHTS_KEY in changed:  # another directory: named as such
+            changed.remove(WEIGHTS_KEY)
         if changed:
             key = changed[0]
             what = ("the training data (the contents of data.paths, the tokenizer, the chat template or "
                     "data.max_seq_len) differs" if key == DATA_KEY else
+                    f"the weights at model.path {config.model.path} are not those it started from: "
+                    f"{', '.join(changed_files(recorded[key], identity[key]))} (by size, header and sampled bytes)"
+                    if key == WEIGHTS_KEY else
                     f"it was started with {key}={recorded.get(key)!r}, this launch has {identity.get(key)!r}")
             if key == INIT_KEY:
                 what += (" (the seeded initialization of its from-scratch LoRA base: the base this raysft builds "
@@ -133,11 +150,14 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
 
 
 def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
-    """What must match on every launch. LoRA trains other weights: its settings define the run (absent: full
-    fine-tuning). A LoRA run from scratch rebuilds its frozen base from train.seed on every launch, so the scheme
-    of that seeded initialization defines it too (INIT_KEY): a run started under another scheme is refused, its
-    adapters being trained on other base weights. A full fine-tuning run resumes its weights from its checkpoint,
-    whatever the scheme."""
+    """What must match on every launch. The base weights at model.path, by a fingerprint of their files
+    (WEIGHTS_KEY, raysft.hf.fingerprint): other weights of the same shapes put there would be trained on silently,
+    as a LoRA run's frozen base on every launch, and by a full fine-tuning run relaunched before its first
+    checkpoint (whose checkpoints are then of another base than the run's). LoRA trains other weights: its
+    settings define the run (absent: full fine-tuning). A LoRA run from scratch rebuilds its frozen base from
+    train.seed on every launch, so the scheme of that seeded initialization defines it too (INIT_KEY): a run
+    started under another scheme is refused, its adapters being trained on other base weights. A full fine-tuning
+    run resumes its weights from its checkpoint, whatever the scheme."""
     values = config.to_dict()
     identity = {DATA_KEY: data_fingerprint}
     for key in RUN_DEFINING_KEYS:
@@ -147,4 +167,6 @@ def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
         identity["model.lora"] = values["model"]["lora"]
         if not config.model.path:
             identity[INIT_KEY] = INIT_SCHEME
+    if config.model.path:
+        identity[WEIGHTS_KEY] = weights_fingerprint(Path(config.model.path).expanduser())
     return identity

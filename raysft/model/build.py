@@ -26,11 +26,13 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
-from raysft.hf.files import ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.errors import WeightsFileError
+from raysft.hf.files import INDEX_FILE, ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.hf.tensors import check_dtypes, check_tensors, safetensors_tensors, split_aliases
 from raysft.hf.weights import read_local_slices, tensor_files
 from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adapter
 from raysft.model.seeded_init import clean_name, init_parameters
-from raysft.parallel.collectives import all_ranks
+from raysft.parallel.collectives import all_ranks, from_rank0
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
@@ -186,6 +188,9 @@ def load_initial_weights(model: nn.Module, cfg: ModelConfig, config: PretrainedC
     if not cfg.path:
         init_from_seed(model, seed)
         return None
+    refused = from_rank0(lambda: _refusal(check_pretrained, model, Path(cfg.path).expanduser()))
+    if refused:  # the same error on every rank, not a rank waiting in a collective for one that failed
+        raise WeightsFileError(refused)
     problem = slice_read_problem(model, Path(cfg.path).expanduser())
     if all_ranks(problem is None):
         read_pretrained_slices(model, cfg, seed)
@@ -225,9 +230,50 @@ def pretrained_targets(model: nn.Module, in_files: Collection[str]) -> dict[str,
 def model_read_problem(model: nn.Module) -> str | None:
     """Why no files could give the model its pretrained weights name by name (None if files with its names can):
     known from the model alone, without its files."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if getattr(model, "_checkpoint_conversion_mapping", None) or get_checkpoint_conversion_mapping(model_type):
+    if renames_on_load(model):
         return f"{type(model).__name__} renames the files' tensors on load (a checkpoint conversion mapping)"
+    return None
+
+
+def check_pretrained(model: nn.Module, path: Path) -> None:
+    """WeightsFileError (or ModelDirError), naming the file and the tensor, unless `path`'s safetensors files hold
+    every pretrained tensor of `model` (sharded, on the meta device or real: only names, shapes and dtypes count)
+    with its shape and a dtype the read converts correctly (raysft.hf.tensors). Headers only. Of a model whose
+    files transformers renames on load (a conversion mapping: not the LLaMA family's) only the dtypes are checked:
+    its names in the files are not its parameters' names."""
+    files = weight_files(path)
+    stored = safetensors_tensors(files)
+    if renames_on_load(model):
+        check_dtypes(stored, WeightsFileError)
+        return
+    expected, aliases = split_aliases(_base_tensors(model))
+    index = path / INDEX_FILE
+    where = index if index.is_file() else ", ".join(str(f) for f in files) or f"{path} (no safetensors files)"
+    check_tensors(expected, stored, str(where), WeightsFileError, aliases)
+
+
+def check_pretrained_dir(path: Path, config_dir: Path | None = None) -> None:
+    """check_pretrained for a model directory read on its own (chat, a LoRA export's base): against the model that
+    its config.json (or config_dir's) describes, built on the meta device."""
+    config = AutoConfig.from_pretrained(config_dir or path, local_files_only=True, trust_remote_code=False)
+    check_pretrained(build_meta_model(config, "eager"), path)
+
+
+def renames_on_load(model: nn.Module) -> bool:
+    """Whether transformers maps the files' tensor names to other ones when it loads this model."""
+
+    return bool(getattr(model, "_checkpoint_conversion_mapping", None)
+                or get_checkpoint_conversion_mapping(getattr(model.config, "model_type", "")))
+
+
+def _refusal(check: Callable[..., None], *args) -> str | None:
+    """The message of check(*args)'s refusal (None if it passes): for from_rank0, which must not raise."""
+    try:
+        check(*args)
+    except (WeightsFileError, ModelDirError, OSError) as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors for a file that changed since the driver's check
+        return f"{type(e).__name__}: {e}"
     return None
 
 

@@ -15,10 +15,12 @@ model, its adapters `...q_proj.lora_A.default.weight` and `...q_proj.lora_B.defa
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 from torch import nn
 
 from raysft.config import ConfigError, LoraConfig, TrainConfig
+from raysft.hf.fingerprint import weights_fingerprint
 from raysft.model.seeded_init import INIT_SCHEME, clean_name, init_parameters
 
 ADAPTER = "default"  # peft's adapter name; raysft trains one adapter
@@ -77,12 +79,15 @@ def is_adapter(name: str) -> bool:
 
 def record(cfg: TrainConfig) -> dict | None:
     """What a LoRA checkpoint must say to be exported on its own: the adapters' settings and where the frozen base
-    comes from (None for full fine-tuning): `model.path`, or the seeded initialization named by its scheme."""
+    comes from (None for full fine-tuning): `model.path` and the fingerprint of its weights
+    (raysft.hf.fingerprint), or the seeded initialization named by its scheme."""
     lora = cfg.model.lora
     if not lora.r:
         return None
     base = {"path": cfg.model.path, "seed": cfg.train.seed}
-    if not cfg.model.path:
+    if cfg.model.path:  # what the adapters were trained on: export and chat check the base against it
+        base["weights"] = weights_fingerprint(Path(cfg.model.path).expanduser())
+    else:
         base["init"] = INIT_SCHEME
     return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
             "base": base}

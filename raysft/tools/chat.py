@@ -26,8 +26,9 @@ from raysft.checkpoint import (
 )
 from raysft.data.labels import stop_token_ids
 from raysft.hf.adapters import ADAPTER_CONFIG, load_adapter_dir
-from raysft.hf.export import export
+from raysft.hf.export import check_checkpoint_tensors, export, full_checkpoint_tensors
 from raysft.hf.files import check_model_dir
+from raysft.model.build import check_pretrained_dir
 
 Message = dict[str, str]
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -54,6 +55,9 @@ class ChatModel:
             reason = incomplete_reason(path)
             if reason:
                 raise CheckpointError(f"{path}: incomplete checkpoint: {reason}")
+            stored, where = full_checkpoint_tensors(path)
+            check_checkpoint_tensors(stored, path, None, where)  # as export checks it: CheckpointError
+            return cls._from_hf_dir(path, weights_checked=True)
         elif any((path / name).exists() for name in TRAINING_FILES):
             raise CheckpointError(f"{path}: incomplete checkpoint: it holds training state "
                                   f"({', '.join(n for n in TRAINING_FILES if (path / n).exists())}) but neither "
@@ -67,9 +71,12 @@ class ChatModel:
         return cls._from_hf_dir(path)
 
     @classmethod
-    def _from_hf_dir(cls, path: Path, model: PreTrainedModel | None = None) -> ChatModel:
+    def _from_hf_dir(cls, path: Path, model: PreTrainedModel | None = None,
+                     weights_checked: bool = False) -> ChatModel:
         # local_files_only: a path that does not exist must not turn into a hub download; no code of it runs
         check_model_dir(path)
+        if model is None and not weights_checked:  # from_pretrained would make up a tensor the files lack
+            check_pretrained_dir(path)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         if not tokenizer.chat_template:
             raise ValueError(f"{path}: the tokenizer has no chat template (not saved by raysft?)")
