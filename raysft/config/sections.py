@@ -177,8 +177,9 @@ class CheckpointConfig:
     mode: Literal["auto", "full", "sharded"] = "auto"
     """"full": HF safetensors, gathered one tensor at a time onto rank 0, which writes them (with async, the whole
     state first); a resume from shared storage reads each rank's slices. "sharded": every worker writes its own
-    shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter) fits 4
-    times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and sharding
+    shards (torch.distributed.checkpoint). "auto": full while the weights and AdamW state (12 bytes per parameter)
+    are at most 16 GiB, which rank 0 writes alone, and, with async, fit 4 times into rank 0's available host
+    memory; else sharded (one worker: full at any size). Any mode resumes on any worker count and sharding
     strategy."""
     every_n_steps: int = 100
     """Checkpoint every N steps, and at the end."""
