@@ -25,7 +25,6 @@ from raysft.errors import CheckpointSaveError, NonFiniteStateError
 from raysft.parallel.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.storage import Location
 
-
 FULL_SAVE_MAX_BYTES = 16 * 2**30  # "auto": the largest checkpoint that rank 0 writes alone (full)
 
 
