@@ -97,7 +97,7 @@ def test_a_weight_decay_exclusion_that_is_no_regular_expression_is_a_config_erro
 
 def test_warmup_gives_step_s_the_rate_hf_gives_step_s_plus_1():
     """raysft's step s (0-based) runs at (s + 1) / W of the rate; transformers' cosine schedule runs its step s at
-    s / W, its first step at 0 (docs/RUNS.md, "Learning rate and weight decay")."""
+    s / W, its first step at 0 (docs/CONFIGURATION.md, "The optimizer")."""
     cfg = tiny_config(Path("/nonexistent"), **{"train.warmup_steps": 4, "train.max_steps": 20,
                                                "train.min_lr_ratio": 0.0})
     hf = get_cosine_schedule_with_warmup(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 4, 20)
