@@ -29,7 +29,8 @@ FULL_SAVE_MAX_BYTES = 16 * 2**30  # "auto": the largest checkpoint that rank 0 w
 
 
 def choose_mode(mode: str, model: nn.Module, asynchronous: bool = False) -> str:
-    """Collective for "auto" (auto_mode decides on rank 0's host memory): the same answer on every rank."""
+    """Collective for "auto": rank 0 decides (auto_mode, with its host's available memory), the same answer on every
+    rank."""
     if mode != "auto":
         return mode
     # what a checkpoint holds (LoRA: the adapters); a DTensor's numel is the full size, the same on every rank
