@@ -127,10 +127,19 @@ def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gl
     assert incomplete_reason(cfg.run_dir / "checkpoint_00000004") is None
 
 
-@pytest.mark.parametrize("state_gb, available_gb, mode", [(1, 64, "full"), (16, 64, "full"), (17, 64, "sharded"),
-                                                         (14 * 12, 512, "sharded")])
-def test_auto_mode_gathers_only_what_rank_0_can_hold_four_times(state_gb, available_gb, mode):
-    assert auto_mode(state_gb * 2**30, available_gb * 2**30) == mode
+@pytest.mark.parametrize("state_gb, available_gb, workers, asynchronous, mode", [
+    (1, 64, 8, False, "full"),
+    (16, 64, 8, False, "full"),        # at the limit of what rank 0 writes alone
+    (17, 512, 8, False, "sharded"),    # past it, however much memory rank 0 has
+    (96, 2048, 16, False, "sharded"),  # Llama-3.1-8B on 16 workers: 16 writers instead of one
+    (168, 512, 1, False, "full"),      # one worker writes everything either way
+    (10, 32, 8, False, "full"),        # synchronous: one tensor at a time on rank 0, not the whole state
+    (10, 32, 8, True, "sharded"),      # async gathers the whole state on rank 0: a quarter of its memory
+    (4, 64, 8, True, "full"),
+])
+def test_auto_mode_shards_what_rank_0_would_write_alone_or_hold_whole_for_async(state_gb, available_gb, workers,
+                                                                               asynchronous, mode):
+    assert auto_mode(state_gb * 2**30, available_gb * 2**30, workers, asynchronous) == mode
 
 
 def test_safetensors_written_from_memory_read_back_by_safetensors_with_the_hash_of_the_file(tmp_path):

@@ -145,9 +145,16 @@ def test_a_sharded_index_whose_pickle_runs_code_is_refused_on_resume_export_and_
     assert not marker.exists()
 
 
-def test_a_saved_value_whose_pickle_runs_code_is_refused_on_resume(runs, tmp_path):
+def test_a_saved_value_whose_pickle_runs_code_is_never_unpickled(runs, tmp_path):
     """DCP stores the optimizer's param groups as torch.save bytes and its default planner loads them with
-    weights_only=False: the shard file is a second way in."""
+    weights_only=False: the shard file is a second way in. A resume does not read them (this launch's groups
+    apply), and reading them through raysft's planner refuses what is not plain data."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from raysft.checkpoint.dcp_read import SafeLoadPlanner
+
     marker = tmp_path / "ran"
     ckpt = copy(runs["sharded"].run_dir / "checkpoint_00000002", tmp_path / "evil")
     metadata = dcp_reader(ckpt).read_metadata()
@@ -162,9 +169,11 @@ def test_a_saved_value_whose_pickle_runs_code_is_refused_on_resume(runs, tmp_pat
     with (ckpt / ".metadata").open("wb") as f:
         pickle.dump(metadata, f)
     resign(ckpt)
-    with pytest.raises(CheckpointError, match=r"(?s)cannot load the sharded state: .*refusing a saved value that is "
-                                              "not plain data"):
-        trainer(runs["sharded"], resume_dir=ckpt)
+    resumed = trainer(runs["sharded"], resume_dir=ckpt)
+    assert resumed.state.step == 2 and not marker.exists()
+    groups = get_optimizer_state_dict(resumed.model, resumed.optimizer)["param_groups"]
+    with pytest.raises(CheckpointException, match=r"(?s)\.lr: refusing a saved value that is not plain data"):
+        dcp.load({"optimizer": {"param_groups": groups}}, storage_reader=dcp_reader(ckpt), planner=SafeLoadPlanner())
     assert not marker.exists()
 
 

@@ -25,21 +25,29 @@ from raysft.errors import CheckpointSaveError, NonFiniteStateError
 from raysft.parallel.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.storage import Location
 
+FULL_SAVE_MAX_BYTES = 16 * 2**30  # "auto": the largest checkpoint that rank 0 writes alone (full)
 
-def choose_mode(mode: str, model: nn.Module) -> str:
-    """Collective for "auto": full while rank 0's host can comfortably hold the gathered fp32 weights and AdamW
-    moments (12 bytes per parameter) beside everything else, sharded beyond. The same answer on every rank."""
+
+def choose_mode(mode: str, model: nn.Module, asynchronous: bool = False) -> str:
+    """Collective for "auto": rank 0 decides (auto_mode, with its host's available memory), the same answer on every
+    rank."""
     if mode != "auto":
         return mode
     # what a checkpoint holds (LoRA: the adapters); a DTensor's numel is the full size, the same on every rank
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return from_rank0(lambda: auto_mode(12 * numel, available_memory_bytes()))
+    workers = dist.get_world_size()
+    return from_rank0(lambda: auto_mode(12 * numel, available_memory_bytes(), workers, asynchronous))
 
 
-def auto_mode(state_bytes: int, available_bytes: int) -> str:
-    """Gathering needs the whole state once on rank 0 (and a copy more with async saves): keep it to a quarter of
-    what the host has available."""
-    return "full" if 4 * state_bytes <= available_bytes else "sharded"
+def auto_mode(state_bytes: int, available_bytes: int, workers: int, asynchronous: bool) -> str:
+    """Full (the directory transformers loads as it is) unless its cost grows with the run: rank 0 writes a full
+    checkpoint alone, so beyond FULL_SAVE_MAX_BYTES of fp32 weights and AdamW moments (12 bytes per parameter)
+    the workers' own shards are written side by side instead; one worker writes everything either way. A
+    synchronous full save holds one whole tensor at a time on rank 0, an async one the whole state (and a copy
+    more): async keeps full only while a quarter of the host's available memory holds it."""
+    if asynchronous and 4 * state_bytes > available_bytes:
+        return "sharded"
+    return "sharded" if workers > 1 and state_bytes > FULL_SAVE_MAX_BYTES else "full"
 
 
 def available_memory_bytes() -> int:
@@ -122,7 +130,7 @@ class Checkpointer:
                  stop_requested: Callable[[], bool] = lambda: False):
         self.cfg, self.objs, self.sink, self.log, self.rank = cfg, objs, sink, log, rank
         self.device = device or torch.device("cpu")  # of the notice checks' all-reduce: the process group's
-        self.mode = choose_mode(cfg.mode, objs.model)
+        self.mode = choose_mode(cfg.mode, objs.model, cfg.async_save)
         self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
         self.preemption_deadline, self.stop_requested = preemption_deadline, stop_requested
         self.deadline: float | None = None  # of an announced preemption

@@ -259,6 +259,9 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     if per_rank:
         _read_slices(ckpt.local, objs)
         return
+    launch = get_optimizer_state_dict(objs.model, objs.optimizer, options=state_dict_options(objs.model))
+    if dist.get_rank() == 0:  # this launch's optimizer settings, not the checkpoint's (restore_trainer_state)
+        optim_sd["param_groups"] = launch["param_groups"]
     options = state_dict_options(objs.model, **_BROADCAST)
     set_model_state_dict(objs.model, model_sd, options=options)
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
@@ -303,7 +306,7 @@ def _read_slices(ckpt_dir: Path, objs: TrainingObjects) -> None:
     _restore_aliases(model_sd, objs.aliases)
     meta = _read_optimizer_meta(ckpt_dir)
     _nest_optimizer_state(meta["scalars"], optim_sd["state"])
-    optim_sd["param_groups"] = meta["param_groups"]
+    # optim_sd's parameter groups are this launch's, not the checkpoint's (restore_trainer_state)
     set_model_state_dict(objs.model, model_sd, options=options)
     set_optimizer_state_dict(objs.model, objs.optimizer, optim_sd, options=options)
 

@@ -112,6 +112,9 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> TrainState:
     """Collective: restore everything from a complete checkpoint of either layout, on any topology, local or on
     remote storage."""
     state = read_trainer_state(ckpt_dir)
-    BACKENDS[state["mode"]].load(ckpt_dir, objs)
+    launched = [{k: v for k, v in group.items() if k != "params"} for group in objs.optimizer.param_groups]
+    BACKENDS[state["mode"]].load(ckpt_dir, objs)  # the checkpoint's optimizer state into this launch's groups
+    for group, settings in zip(objs.optimizer.param_groups, launched, strict=True):
+        group.update(settings)  # as launched, to the type (a broadcast from rank 0 turns the betas into a list)
     restore_rng_state(ckpt_dir, same_world=state["world_size"] == dist.get_world_size())
     return restore_trainer_state(state, objs)

@@ -94,7 +94,9 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     index = read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it)
     check_saved_tensors(objs.model, model_tensors(index, ckpt_dir), f"{ckpt_dir}/.metadata")
     try:
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=SafeLoadPlanner())
+        # the optimizer's state only: its parameter groups stay this launch's (restore_trainer_state)
+        dcp.load({"model": model_sd, "optimizer": {"state": optim_sd["state"]}}, storage_reader=reader,
+                 planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP wraps per-rank failures (in a BaseException); name the dir
         raise CheckpointError(f"{ckpt_dir}: cannot load the sharded state: {_first_failure(e)}") from e
     set_state_dict(objs.model, objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)

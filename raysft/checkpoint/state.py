@@ -101,12 +101,15 @@ def read_trainer_state(ckpt_dir: Path | Location) -> dict:
 def restore_trainer_state(state: dict, objs: TrainingObjects) -> TrainState:
     """Apply a read trainer state to the scheduler and loss scaler; the step and data cursor to go on from. The
     schedule's position comes from the checkpoint, its base rate from this launch (`train.lr` may change between
-    launches; the checkpoint's scheduler and optimizer state hold the rate they were saved with)."""
+    launches), as every other optimizer setting does: both layouts load the checkpoint's optimizer state into this
+    launch's parameter groups (betas, eps, weight decay and its exclusions, fused), never the groups it was saved
+    with."""
     launch_lrs = list(objs.scheduler.base_lrs)
     objs.scheduler.load_state_dict(state["scheduler"])
     objs.scheduler.base_lrs = launch_lrs
     for group, base, factor in zip(objs.optimizer.param_groups, launch_lrs, objs.scheduler.lr_lambdas, strict=True):
         group["initial_lr"], group["lr"] = base, base * factor(objs.scheduler.last_epoch)
+    objs.scheduler._last_lr = [group["lr"] for group in objs.optimizer.param_groups]  # as LRScheduler.step sets it
     if objs.scaler.is_enabled() and state.get("loss_scaler"):  # an fp32/bf16 checkpoint resumed in fp16: fresh
         objs.scaler.load_state_dict(state["loss_scaler"])
     if "step_guard" in state:

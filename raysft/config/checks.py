@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
@@ -29,6 +30,14 @@ from raysft.storage import is_remote
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}': {message}")
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -59,6 +68,9 @@ def check_train(t: TrainLoopConfig) -> None:
     _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")
     _require(t.grad_clip > 0, "train.grad_clip",
              f"must be > 0 (the largest gradient norm kept; 0 would stop learning), got {t.grad_clip}")
+    _require(t.eps > 0, "train.eps", f"must be > 0, got {t.eps}")
+    for pattern in t.weight_decay_exclude:
+        _require(_compiles(pattern), "train.weight_decay_exclude", f"{pattern!r} is not a regular expression")
     _require(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas",
              f"must be two values in [0, 1), got {t.betas}")
     _require(t.max_skipped_steps >= 0, "train.max_skipped_steps",

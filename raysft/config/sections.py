@@ -116,11 +116,19 @@ class TrainLoopConfig:
     min_lr_ratio: float = 0.1
     """Where the cosine decay ends, as a fraction of lr."""
     warmup_steps: int = 20
-    """Linear warmup from 0 to lr."""
+    """Linear warmup to lr: step s (0-based) runs at (s + 1) / warmup_steps × lr, so the first step already
+    learns (the Hugging Face Trainer's step s runs at s / warmup_steps × lr: its first step at 0)."""
     weight_decay: float = 0.01
-    """AdamW's decoupled weight decay."""
+    """AdamW's decoupled weight decay, on every trained parameter but those of weight_decay_exclude."""
+    weight_decay_exclude: list[str] = field(default_factory=lambda: ["bias", "norm"])
+    """Parameters not decayed: those whose lowercased name (model.layers.0.input_layernorm.weight) contains a match
+    of one of these regular expressions. The default leaves out biases and normalization weights, the Hugging Face
+    Trainer's set on LLaMA-style models (embeddings and the LM head are decayed, as there); []: decay every
+    parameter."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW's moment decay rates."""
+    eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the second moment."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (> 0; there is no "off": a huge value never clips)."""
     log_every_n_steps: int = 10
@@ -177,8 +185,9 @@ class CheckpointConfig:
     mode: Literal["auto", "full", "sharded"] = "auto"
     """"full": HF safetensors, gathered one tensor at a time onto rank 0, which writes them (with async, the whole
     state first); a resume from shared storage reads each rank's slices. "sharded": every worker writes its own
-    shards (torch.distributed.checkpoint). "auto": full while the gathered state (12 bytes per parameter) fits 4
-    times into rank 0's available host memory, else sharded. Any mode resumes on any worker count and sharding
+    shards (torch.distributed.checkpoint). "auto": full while the weights and AdamW state (12 bytes per parameter)
+    are at most 16 GiB, which rank 0 writes alone, and, with async, fit 4 times into rank 0's available host
+    memory; else sharded (one worker: full at any size). Any mode resumes on any worker count and sharding
     strategy."""
     every_n_steps: int = 100
     """Checkpoint every N steps, and at the end."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
+from raysft.checkpoint.checkpointer import FULL_SAVE_MAX_BYTES
 from raysft.config import ConfigError, TrainConfig
 from raysft.model.build import build_meta_model, decoder_layer_classes
 from raysft.model.lora import add_adapters
@@ -225,7 +226,9 @@ def render(cfg: TrainConfig, result: Plan) -> str:
         lines.append(f"  {mode:<8} {result.checkpoint_bytes[mode] / size:9.2f} "
                      f"{result.save_host_bytes[mode] / size:9.2f}{chosen}")
     if cfg.checkpoint.mode == "auto":
-        lines.append("  auto: full while 4 x the checkpoint's size is available on rank 0, else sharded")
+        lines.append(f"  auto: full up to {FULL_SAVE_MAX_BYTES / GiB:.0f} GiB, which rank 0 writes alone"
+                     f"{' (async: and while 4 x it is available on rank 0)' if cfg.checkpoint.async_save else ''}, "
+                     "else sharded")
     if not cfg.checkpoint.async_save:
         lines.append("  full: one tensor at a time on rank 0 (checkpoint.async gathers the whole state first)")
     if result.rank0_init:
