@@ -69,9 +69,13 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
 
 
 def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The model's directory (its files checked, raysft.hf.files) or config, its vocabulary against the tokenizer
-    and the LoRA targets: errors that would otherwise meet every worker and be retried scaling.max_failures times."""
-    check_architecture(config, load_model_config(config.model, tokenizer))
+    """The model's directory (its files checked, raysft.hf.files) or config, its vocabulary against the tokenizer,
+    the LoRA targets and model.path's weights: errors that would otherwise meet every worker and be retried
+    scaling.max_failures times."""
+    hf_config = load_model_config(config.model, tokenizer)
+    check_architecture(config, hf_config)
+    if config.model.path:
+        check_weights(config, hf_config)
 
 
 def check_architecture(config: TrainConfig, hf_config: PretrainedConfig) -> None:
@@ -82,15 +86,18 @@ def check_architecture(config: TrainConfig, hf_config: PretrainedConfig) -> None
     if config.train.loss_chunk_tokens:
         check_chunked_loss(hf_config)
     check_sequence_parallel(config, hf_config)
-    if config.model.lora.r or config.model.path:
-        # on the meta device, not in the workers: target_modules that name no layer, and every tensor of the model
-        # in model.path's files with its shape and a dtype the workers' read converts (headers only)
-        model = add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
-        if config.model.path:
-            try:
-                check_pretrained(model, Path(config.model.path).expanduser())
-            except (WeightsFileError, ModelDirError) as e:
-                raise ConfigError(f"config key 'model.path': {e}") from None
+    if config.model.lora.r:  # on the meta device, not in the workers: target_modules that name no layer
+        add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+
+
+def check_weights(config: TrainConfig, hf_config: PretrainedConfig) -> None:
+    """Every tensor of the model in model.path's files, with its shape and a dtype the workers' read converts
+    (headers only, against the model on the meta device)."""
+    model = add_adapters(build_meta_model(hf_config, config.model.attn_implementation), config.model.lora)
+    try:
+        check_pretrained(model, Path(config.model.path).expanduser())
+    except (WeightsFileError, ModelDirError) as e:
+        raise ConfigError(f"config key 'model.path': {e}") from None
 
 
 def check_batch(config: TrainConfig, num_samples: int) -> None:
