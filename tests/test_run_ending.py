@@ -1,0 +1,154 @@
+"""Errors no relaunch changes (raysft.errors.ends_the_run), met inside the ranks: the run ends on the first
+occurrence and the user reads one line, no rank's traceback. Ray-free: the torchrun entry's launch
+(raysft.launch.torchrun.run_launch) on the suite's gloo pair. Under Ray the same errors end the run without a
+restart: tests/test_train_ray.py::test_an_error_met_in_the_workers_ends_the_run_at_once_as_one_line."""
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import cli_in_process
+
+import raysft
+import raysft.checkpoint.manifest as manifest_module
+from raysft.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointSaveError
+from raysft.errors import ConfigError, DataError, WeightsFileError, ends_the_run
+from raysft.launch.torchrun import launch
+
+BASE = {"data.max_seq_len": 96, "train.max_steps": 2, "train.warmup_steps": 1, "train.log_every_n_steps": 100,
+        "checkpoint.every_n_steps": 2}
+
+
+def sets(tmp_path: Path, name: str, **more) -> list[str]:
+    return [f"{k}={v}" for k, v in {**BASE, "run.name": name, "run.storage_path": str(tmp_path / "runs"),
+                                    **more}.items()]
+
+
+def _run_launch(ctx, overrides: list[str]) -> tuple[int, str]:
+    """The torchrun entry's launch on this rank: its exit code and what it wrote to stderr."""
+    from raysft.launch.torchrun import run_launch
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code, _ = run_launch(ctx, None, overrides)
+    return code, err.getvalue()
+
+
+def _launch(ctx, overrides: list[str]) -> None:
+    from raysft.config import load_config
+
+    launch(ctx, load_config(None, overrides))
+
+
+def run_ending(gloo_pool, overrides: list[str]) -> tuple[int, str]:
+    """Both ranks' exit code (the same) and their stderr together."""
+    (code0, err0), (code1, err1) = gloo_pool.run(_run_launch, overrides)
+    assert code0 == code1, (code0, code1, err0, err1)
+    return code0, err0 + err1
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def resign(ckpt: Path) -> None:
+    """A manifest matching the files as they are now (a manifest proves completeness, not origin)."""
+    (ckpt / MANIFEST_FILE).unlink()
+    manifest_module.write_manifest(ckpt, 1, [manifest_module.durable_file_list(ckpt)])
+
+
+@pytest.fixture(scope="module")
+def full_run(gloo_pool, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A run of 2 steps with a full checkpoint at step 2, from the demo preset."""
+    tmp = tmp_path_factory.mktemp("full")
+    overrides = sets(tmp, "full", **{"checkpoint.mode": "full"})
+    gloo_pool.run(_launch, overrides)
+    return tmp, overrides
+
+
+def test_the_classification_ends_the_run_for_what_no_retry_changes_and_not_for_storage_hiccups():
+    try:
+        try:
+            raise OSError(5, "Input/output error")
+        except OSError as io_error:
+            raise CheckpointError("ckpt/trainer_state.json: unreadable trainer state") from io_error
+    except CheckpointError as read_failed:
+        transient = read_failed
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as full:
+            raise CheckpointSaveError("step 4: writing model.safetensors failed") from full
+    except CheckpointSaveError as save_failed:
+        disk_full = save_failed
+    assert not ends_the_run(transient) and not ends_the_run(OSError(5, "EIO")) and not ends_the_run(RuntimeError())
+    assert all(ends_the_run(e) for e in (disk_full, CheckpointError("refused index"), WeightsFileError("shape"),
+                                         ConfigError("key"), DataError("record")))
+
+
+def test_a_refused_split_index_at_resume_is_one_line(gloo_pool, full_run, tmp_path):
+    tmp, overrides = full_run
+    run = tmp_path / "runs" / "index"
+    shutil.copytree(tmp / "runs" / "full", run)
+    ckpt = run / "checkpoint_00000002"
+    names = _tensor_names(ckpt / "model.safetensors")
+    weight_map = {name: "model.safetensors" for name in names} | {names[0]: "optimizer.safetensors"}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    resign(ckpt)
+    code, stderr = run_ending(gloo_pool, sets(tmp_path, "index", **{"checkpoint.mode": "full",
+                                                                    "train.max_steps": 4}))
+    assert code == 1
+    assert one_line(stderr).startswith(f"raysft: error: CheckpointError: {ckpt}/model.safetensors.index.json: "
+                                       f"weight_map names 'optimizer.safetensors'"), stderr
+
+
+def test_a_model_whose_config_disagrees_with_its_weights_is_one_line(gloo_pool, full_run, tmp_path):
+    tmp, _ = full_run
+    model = raysft.export(tmp / "runs" / "full" / "checkpoint_00000002", tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] - 32}))
+    code, stderr = run_ending(gloo_pool, sets(tmp_path, "shapes", **{"model.path": str(model)}))
+    assert code == 1
+    assert one_line(stderr).startswith(f"raysft: error: WeightsFileError: {model}/model.safetensors: tensor "), stderr
+    assert "has shape [" in stderr and f"the model's is [{config['intermediate_size'] - 32}, " in stderr
+
+
+def test_a_model_config_file_edited_between_launches_is_one_line(gloo_pool, full_run, tmp_path):
+    tmp, _ = full_run
+    config_file = tmp_path / "tiny.json"
+    config = json.loads((tmp / "runs" / "full" / "checkpoint_00000002" / "config.json").read_text())
+    config_file.write_text(json.dumps(config))
+    first = sets(tmp_path, "edited", **{"model.config": str(config_file)})
+    gloo_pool.run(_launch, first)
+    config_file.write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 32}))
+    code, stderr = run_ending(gloo_pool, [*first, "train.max_steps=4"])
+    assert code == 1
+    assert one_line(stderr).startswith("raysft: error: CheckpointError: "), stderr
+    assert str(tmp_path / "runs" / "edited" / "checkpoint_00000002") in stderr
+
+
+def test_a_sharded_checkpoint_as_model_path_is_refused_with_what_to_do(gloo_pool, tmp_path):
+    """Refused on the driver (rank 0 without Ray) before the data is tokenized, under torchrun and `raysft train`
+    alike, naming the export that makes it a model directory."""
+    gloo_pool.run(_launch, sets(tmp_path, "sharded", **{"checkpoint.mode": "sharded"}))
+    ckpt = tmp_path / "runs" / "sharded" / "checkpoint_00000002"
+    expected = (f"raysft: config error: config key 'model.path': {ckpt} is a sharded raysft checkpoint: its weights "
+                f"are in torch.distributed.checkpoint files (*.distcp), which no Hugging Face load reads. Export it "
+                f"first (`raysft export {ckpt} OUT`) and use OUT")
+    code, stderr = run_ending(gloo_pool, sets(tmp_path, "on-sharded", **{"model.path": str(ckpt)}))
+    assert code == 2 and one_line(stderr).startswith(expected), stderr
+    out = cli_in_process("train", "--set", f"model.path={ckpt}", *[f"--set={s}" for s in sets(tmp_path, "cli")])
+    assert out.returncode == 2 and one_line(out.stderr).startswith(expected), out.stderr
+    assert not (tmp_path / "runs" / "on-sharded").exists() and not (tmp_path / "runs" / "cli").exists()
+
+
+def _tensor_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return list(f.keys())  # noqa: SIM118 - safe_open has no __iter__
