@@ -152,3 +152,26 @@ def _tensor_names(path: Path) -> list[str]:
 
     with safe_open(path, framework="pt") as f:
         return list(f.keys())  # noqa: SIM118 - safe_open has no __iter__
+
+
+def _rank_1_meets_it_alone(ctx) -> tuple[bool, ...]:
+    import time
+
+    from raysft.launch.torchrun import RunEndingReports
+
+    reports = RunEndingReports(ctx.world_size)
+    reports.AGREE_S = 0.5
+    if ctx.rank == 1:
+        return reports.count_in(), reports.every_rank()
+    deadline = time.monotonic() + 30
+    while not reports.any() and time.monotonic() < deadline:  # rank 0 stands for a rank inside a collective
+        time.sleep(0.05)
+    return (reports.any(),)
+
+
+def test_a_rank_that_meets_the_error_alone_prints_it_and_waits_for_no_one(gloo_pool):
+    """What the torchrun entry counts in the store when only rank 1 raised: rank 1 is the first (it prints the
+    line) and finds within RunEndingReports.AGREE_S that the others did not meet it (it leaves without the barrier
+    they would never reach); rank 0, whose collective breaks when rank 1 leaves, learns that a peer ended the run
+    (it exits 1 without a word)."""
+    assert gloo_pool.run(_rank_1_meets_it_alone) == [(True,), (True, False)]
