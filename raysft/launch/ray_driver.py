@@ -95,7 +95,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         return signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
     except ControllerError as e:
         if isinstance(e.controller_failure, RunEnded):
-            raise recorded_run_ending(config.run_dir) from None
+            raise recorded_run_ending(config.run_dir) or RuntimeError(str(e.controller_failure)) from None
         raise CannotPlaceWorkers(
             f"Ray could not start {s.min_workers or s.num_workers} workers of {worker_resources(s)} in "
             f"{start_attempts(s)} attempts of {start_timeout_s():g} s (scaling.placement_timeout_s="
