@@ -58,10 +58,14 @@ def train_worker(loop_config: dict) -> None:
 
 
 def record_run_ending(run_dir: Path | Location, rank: int, error: Exception) -> None:
-    """Write down the run-ending error this rank met, before it is raised (whatever the other ranks do)."""
+    """Write down the run-ending error this rank met, before it is raised (whatever the other ranks do). Where the
+    run directory cannot take it, the error is raised unrecorded: Ray then retries, as for any other error."""
+    try:
+        (location(run_dir) / f"{RUN_ENDING_PREFIX}{rank}.json").write_text(
+            json.dumps({"rank": rank, "type": type(error).__name__, "message": str(error)}))
+    except OSError:
+        return
     _RECORDED.set()
-    (location(run_dir) / f"{RUN_ENDING_PREFIX}{rank}.json").write_text(
-        json.dumps({"rank": rank, "type": type(error).__name__, "message": str(error)}))
 
 
 def recorded_run_ending(run_dir: Path | Location) -> Exception | None:
