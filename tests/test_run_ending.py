@@ -175,3 +175,45 @@ def test_a_rank_that_meets_the_error_alone_prints_it_and_waits_for_no_one(gloo_p
     they would never reach); rank 0, whose collective breaks when rank 1 leaves, learns that a peer ended the run
     (it exits 1 without a word)."""
     assert gloo_pool.run(_rank_1_meets_it_alone) == [(True,), (True, False)]
+
+
+def _rank_0_reads_with_an_io_error(ctx, overrides: list[str], ckpt: str) -> bool:
+    """Resume from a full checkpoint while rank 0's read of its headers fails with EIO: whether this rank's error
+    ends the run."""
+    import errno
+
+    import raysft.checkpoint.full as full
+    from raysft.checkpoint import DirectorySink
+    from raysft.config import load_config
+    from raysft.data import prepare_store
+    from raysft.data.tokenizer import load_tokenizer
+    from raysft.training.trainer import Trainer
+
+    cfg = load_config(None, overrides)
+    store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
+    trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
+
+    def eio(ckpt_dir, stem):
+        try:
+            raise OSError(errno.EIO, "Input/output error")
+        except OSError as e:
+            raise CheckpointError(f"{ckpt_dir}: cannot read: {e}") from e
+
+    original = full.hf_shards.tensor_map
+    full.hf_shards.tensor_map = eio if ctx.rank == 0 else original
+    try:
+        trainer.checkpointer.load(Path(ckpt))
+    except CheckpointError as e:
+        return ends_the_run(e)
+    finally:
+        full.hf_shards.tensor_map = original
+    return True
+
+
+def test_a_checkpoint_read_that_failed_on_an_io_error_on_rank_0_is_left_to_a_retry_on_every_rank(gloo_pool,
+                                                                                                  full_run):
+    """Rank 0 reads a full checkpoint's headers for all ranks: its storage hiccup reaches the others as its
+    message, and none of them ends the run for it (Ray retries; the retry reads the checkpoint again)."""
+    tmp, overrides = full_run
+    assert gloo_pool.run(_rank_0_reads_with_an_io_error, overrides,
+                         str(tmp / "runs" / "full" / "checkpoint_00000002")) == [False, False]
