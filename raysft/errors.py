@@ -3,9 +3,12 @@
 Each message names the key, file, record or step at fault. The module imports nothing of raysft, so every layer
 (config, data, the HF format, checkpoints, the loop, the launchers) raises the same classes.
 
-RUN_ENDING is the one list of errors that no relaunch can change: every rank raises them together (or the driver
-does, before any worker starts), so the torchrun entry prints one line and exits, and under Ray the workers end
-the run on the first occurrence instead of letting Ray Train restart them into the same error.
+RUN_ENDING is the one list of errors that no relaunch changes: a bad file, values that disagree, a refusal. A rank
+that meets one (every rank together, or only some) ends the run on that first occurrence: the torchrun entry
+prints one line and exits, and under Ray the rank records it in the run directory and Ray Train is told not to
+restart the workers into the same error (raysft.launch.ray_worker). What a retry may not meet again is not in
+it: an OSError of the storage (a mount or network hiccup), a worker or node lost, a collective that broke with
+them. `ends_the_run` tells the two apart, as everything that decides it asks.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Input data that cannot be used; the message names the file and the record."""
+
+
+class SourceError(ValueError):
+    """A source that cannot be read as conversations; the message names the path."""
+
+
+class StoreFull(OSError):
+    """The disk of data.store_dir filled up while a store was written; the message names the directory."""
 
 
 class ModelDirError(ValueError):
@@ -46,7 +57,31 @@ class TrainingDivergedError(RuntimeError):
     run ends (no restart would change it); its checkpoints are those of steps before the skips."""
 
 
-RUN_ENDING: tuple[type[Exception], ...] = (ConfigError, CheckpointSaveError, TrainingDivergedError)
+class RunInUse(RuntimeError):
+    """Another live launch holds the run (raysft.launch.lease)."""
+
+
+class ClusterUnreachable(RuntimeError):
+    """Nothing answers at the address in RAY_ADDRESS."""
+
+
+class CannotPlaceWorkers(RuntimeError):
+    """The Ray cluster cannot place the requested workers: too small, or busy for longer than Ray waits."""
+
+
+RUN_ENDING: tuple[type[Exception], ...] = (ConfigError, DataError, SourceError, ModelDirError, WeightsFileError,
+                                           CheckpointError, TrainingDivergedError)
+
+
+def ends_the_run(error: BaseException) -> bool:
+    """Whether no relaunch would change `error`: one of RUN_ENDING, unless it is a checkpoint that could not be
+    read for an OSError (storage that may answer on the next try). A failed save ends the run whatever its cause:
+    the run cannot go on past a checkpoint it cannot write, and the previous one stays the latest."""
+    if not isinstance(error, RUN_ENDING):
+        return False
+    if isinstance(error, CheckpointError) and not isinstance(error, CheckpointSaveError):
+        return not isinstance(error.__cause__, OSError)
+    return True
 
 
 def run_ending_type(name: str) -> type[Exception]:

@@ -4,9 +4,10 @@ import os
 import pty
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, cli_in_process
+from conftest import REPO, cli_env, cli_in_process, run_cli
 
 
 @pytest.fixture
@@ -122,3 +123,33 @@ def test_train_export_refuses_a_directory_it_did_not_export_before_training(tmp_
     into_run = cli_in_process("train", "--set", f"run.storage_path={tmp_path}", "--export", str(tmp_path), "--force")
     assert into_run.returncode == 1 and f"{tmp_path} holds the checkpoint being exported" in into_run.stderr
     assert not (tmp_path / "raysft-demo").exists()
+
+
+@pytest.mark.slow  # a real raysft train on a local Ray
+def test_an_error_met_in_the_workers_ends_the_run_at_once_as_one_line(tmp_path, env):
+    """A model directory whose config.json disagrees with its weights passes the driver's checks (its files are
+    whole) and meets every worker at its load: with scaling.max_failures: 3, Ray's failure policy decides once, to
+    end the run (its log says RAISE and never RETRY), and the terminal shows the one line of the error."""
+    from transformers import AutoModelForCausalLM
+
+    from raysft.config import ModelConfig
+    from raysft.data.tokenizer import load_tokenizer
+    from raysft.model.build import load_model_config
+
+    model = tmp_path / "model"
+    config = load_model_config(ModelConfig(), load_tokenizer(ModelConfig(), "auto"))
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    config.intermediate_size -= 32
+    config.save_pretrained(model)
+    sets = {"model.path": model, "scaling.max_failures": 3, "data.max_seq_len": 64, "train.max_steps": 2,
+            "run.storage_path": tmp_path / "runs", "run.name": "bad"}
+    done = run_cli("train", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"raysft: error: WeightsFileError: {model}/model.safetensors: "
+                                                   "tensor 'model.layers.0.mlp."), lines
+    assert "has shape [352, 128], the model's is [320, 128]" in lines[0]
+    logs = Path(done.stdout.split("its logs: ")[1].split()[0])
+    decisions = [line for f in logs.rglob("*") if f.is_file() for line in f.read_text(errors="replace").splitlines()
+                 if "[FailurePolicy]" in line]
+    assert decisions and all("RAISE" in line for line in decisions), decisions

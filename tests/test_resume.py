@@ -79,3 +79,16 @@ def test_a_directory_raysft_did_not_create_is_neither_written_into_nor_moved(tmp
     with pytest.raises(ConfigError, match=f"{cfg.run_dir} exists and is not a raysft run directory"):
         claim_run_dir(cfg, "data-a", fresh=fresh)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_relaunch_with_another_max_seq_len_is_refused_before_its_store_is_tokenized(tmp_path):
+    """docs/RUNS.md: a run launched again with other data is refused before anything is written. A new
+    data.max_seq_len makes a new store: the refusal comes before it is tokenized into data.store_dir."""
+    from raysft.launch.prelaunch import prepare_launch
+
+    prepare_launch(tiny_config(tmp_path))  # the first launch: its store, and the run claimed
+    store_dir = tiny_config(tmp_path).store_dir
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=r"the training data .* differs.*--fresh"):
+        prepare_launch(tiny_config(tmp_path, **{"data.max_seq_len": 128}))
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, sorted(store_dir.iterdir())

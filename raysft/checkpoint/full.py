@@ -39,6 +39,7 @@ from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
 from raysft.checkpoint.trainable import check_adapter_names, check_saved_tensors, state_dict_options
+from raysft.errors import ends_the_run
 from raysft.hf import shards as hf_shards
 from raysft.hf.tensors import safetensors_tensors
 from raysft.hf.weights import WeightsFileError, read_local_slices
@@ -251,11 +252,13 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
                 model_sd, optim_sd = _read_whole(ckpt_dir, objs)
         except Exception as e:  # noqa: BLE001 - raised below, on rank 0 as itself
             error = e
-    failure = from_rank0(lambda: None if error is None else str(error))
+    failure = from_rank0(lambda: None if error is None else (str(error), ends_the_run(error)))
     if failure is not None:
         if error is not None:
             raise error
-        raise CheckpointError(f"{ckpt_dir}: rank 0 could not read the full checkpoint: {failure}")
+        message, ends = failure  # a read that a retry may get through on rank 0 may on this rank too
+        raise CheckpointError(f"{ckpt_dir}: rank 0 could not read the full checkpoint: {message}") \
+            from (None if ends else OSError(message))
     if per_rank:
         _read_slices(ckpt.local, objs)
         return

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +21,6 @@ from raysft.data.store import (
     STORE_FORMAT,
     Samples,
     Split,
-    StoreFull,
     StoreInfo,
     appended_stop,
     labelling,
@@ -30,12 +30,16 @@ from raysft.data.store import (
 )
 from raysft.data.tokenize_ray import tokenize_on_ray, use_ray
 from raysft.data.tokenizer import tokenizer_fingerprint
+from raysft.errors import StoreFull
 from raysft.storage import built_then_renamed
 
 
 def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path,
-                  split: Split = "train") -> StoreInfo:
+                  split: Split = "train", before_writing: Callable[[str], None] | None = None) -> StoreInfo:
     """Tokenize cfg.paths into `<store_root>/<fingerprint>` unless an identical store is already there.
+
+    `before_writing(fingerprint)` runs before a new store is tokenized: a launch refuses there what it would refuse
+    anyway (another run's data), before anything is written.
 
     `split` "eval" is the validation store: cfg.eval_paths, or the records data.eval_fraction holds out of cfg.paths
     (then the "train" store lacks them). Where (data.prepare) is not part of the fingerprint: both ways write the
@@ -64,6 +68,8 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("fingerprint") == fingerprint:
             return StoreInfo(store, manifest["counts"]["samples"], reused=True)
+    if before_writing is not None:
+        before_writing(fingerprint)
 
     on_ray = use_ray(cfg.prepare, sum(s.bytes for s in sources))
     # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from raysft.config import BUILTIN, DataConfig, data_sources
 from raysft.data.demo import DEMO_CONVERSATIONS
-from raysft.errors import DataError
+from raysft.errors import DataError, SourceError
 from raysft.storage import hash_stream
 
 HF_STATE_FILE = "state.json"  # what Dataset.save_to_disk writes beside its Arrow files
@@ -41,11 +41,6 @@ class Source:
     def info(self) -> dict:
         return {"path": str(self.path), "sha256": self.sha256, "bytes": self.bytes,
                 **({"weight": self.weight} if self.weight != 1 else {})}
-
-
-
-class SourceError(ValueError):
-    """A source that cannot be read as conversations; the message names the path."""
 
 
 def is_table(path: Path) -> bool:

@@ -32,10 +32,6 @@ ROW_GROUP_BYTES = 256 << 10
 Split = Literal["train", "eval"]
 
 
-class StoreFull(OSError):
-    """The disk of data.store_dir filled up while a store was written; the message names the directory."""
-
-
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota reached
 
 

@@ -23,6 +23,7 @@ MAX_HEADER_BYTES = 100_000_000
 INDEX_FILE = index_name("model")
 # The files whose `auto_map` asks transformers to import Python modules from the directory.
 CODE_NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
+DCP_SUFFIX = ".distcp"  # each rank's part of a sharded checkpoint (torch.distributed.checkpoint's file names)
 
 
 
@@ -72,9 +73,15 @@ def refuse_quantized(directory: Path) -> None:
 
 def check_model_dir(directory: Path) -> None:
     """What from_pretrained reads in a model directory: its configs (JSON, asking for no code) and the header of
-    each safetensors weight file (within the file, readable by safetensors), without reading the weights."""
+    each safetensors weight file (within the file, readable by safetensors), without reading the weights. A
+    sharded raysft checkpoint is refused with what to do: its weights are in torch.distributed.checkpoint files."""
     refuse_code(directory)
     refuse_quantized(directory)
+    if any(directory.glob(f"*{DCP_SUFFIX}")):
+        raise ModelDirError(
+            f"{directory} is a sharded raysft checkpoint: its weights are in torch.distributed.checkpoint files "
+            f"(*{DCP_SUFFIX}), which no Hugging Face load reads. Export it first (`raysft export {directory} OUT`) "
+            "and use OUT; a full checkpoint (checkpoint.mode: full) is read as it is")
     for path in weight_files(directory):
         check_safetensors(path)
 

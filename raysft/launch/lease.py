@@ -29,16 +29,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from raysft.errors import RunInUse
 from raysft.storage import Location, location
 
 LEASE_FILE = "raysft_lease.json"
 HEARTBEAT_S = float(os.environ.get("RAYSFT_LEASE_HEARTBEAT_S", 10.0))
 LEASE_TIMEOUT_S = float(os.environ.get("RAYSFT_LEASE_TIMEOUT_S", 60.0))
 SETTLE_S = float(os.environ.get("RAYSFT_LEASE_SETTLE_S", 1.0))
-
-
-class RunInUse(RuntimeError):
-    """Another live launch holds the run."""
 
 
 def _start_time(pid: int) -> str | None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import ray
 
+from raysft.errors import ClusterUnreachable
+
 # The longest socket path Ray makes under its temp dir, with a 7-digit pid; the kernel's limit is 107 bytes.
 SOCKET_TAIL = len("/ray/session_2026-01-01_00-00-00_000000_1234567/sockets/dash_MetricsHead")
 SOCKET_PATH_MAX = 107
@@ -44,10 +46,6 @@ TRACEBACK_LINE = re.compile(r"^(Traceback |\s|[\w.]+(Error|Exception)\b)")
 # How long a cluster named in RAY_ADDRESS may take to answer (a head still starting): Ray itself retries an address
 # nobody answers for minutes without a word.
 CONNECT_TIMEOUT_S = float(os.environ.get("RAYSFT_RAY_CONNECT_TIMEOUT_S", 30.0))
-
-
-class ClusterUnreachable(RuntimeError):
-    """Nothing answers at the address in RAY_ADDRESS."""
 
 
 @dataclass

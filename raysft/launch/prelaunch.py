@@ -10,6 +10,7 @@ hyperparameters such as train.max_steps (to train longer) or train.lr, which app
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     check_trackers(config)
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
-    store = prepare_store(config.data, tokenizer, config.store_dir)
+    store = prepare_store(config.data, tokenizer, config.store_dir,
+                          before_writing=None if fresh else functools.partial(refuse_before_writing, config))
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
     eval_store = None
@@ -154,6 +156,15 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     run_dir.mkdir()
     path.write_text(json.dumps({**identity, RUN_ID_KEY: new_run_id()}, indent=1))
     return native(moved) if moved else None
+
+
+def refuse_before_writing(config: TrainConfig, data_fingerprint: str) -> None:
+    """What claim_run_dir will refuse, asked before a new store is tokenized, so that a relaunch with other data
+    (another data.max_seq_len, say) writes nothing. Reads only: claim_run_dir writes only into a directory that
+    is new or empty, and here it is asked only of one that exists and is not empty."""
+    run_dir = location(config.run_dir)
+    if run_dir.exists() and (not run_dir.is_dir() or run_dir.children()):
+        claim_run_dir(config, data_fingerprint)
 
 
 def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:

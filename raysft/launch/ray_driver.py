@@ -1,14 +1,14 @@
 """The Ray edge, on the driver: prepare the launch (raysft.launch.prelaunch), join or start a Ray, check that it can
 place the workers, and run a TorchTrainer whose workers run raysft.launch.ray_worker.train_worker; the driver's stop
 request (SIGTERM) reaches them through a StopFlag actor, and an error every worker raised alike comes back through
-the run directory to be raised here."""
+the run directory to be raised here, the first time any worker meets it (EndRunOnRecordedError)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
+from pathlib import Path
 
 import ray
 from ray.train import (
@@ -18,6 +18,7 @@ from ray.train import (
     Result,
     RunConfig,
     ScalingConfig,
+    UserCallback,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -26,14 +27,19 @@ from raysft.checkpoint.discovery import read_run_id
 from raysft.checkpoint.memory import remove_run
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
-from raysft.errors import run_ending_type
+from raysft.errors import CannotPlaceWorkers
 from raysft.launch.lease import RunLease
 from raysft.launch.local_ray import check_reachable, connect
 from raysft.launch.prelaunch import Stores, prepare_launch
-from raysft.launch.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, train_worker
+from raysft.launch.ray_worker import (
+    EVAL_SCORE,
+    clear_run_ending_records,
+    recorded_run_ending,
+    train_worker,
+)
 from raysft.launch.signals import DriverSignals
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
-from raysft.storage import location
+from raysft.storage import Location, location
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
 START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
@@ -41,10 +47,6 @@ START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEO
 # the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
 # directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
 RAY_TRAIN_CONSOLE_LEVEL = os.environ.get("RAYSFT_RAY_TRAIN_LOG_LEVEL", "WARNING")
-
-
-class CannotPlaceWorkers(RuntimeError):
-    """The Ray cluster cannot place the requested workers: too small, or busy for longer than Ray waits."""
 
 
 def train(config: TrainConfig, fresh: bool = False) -> Result:
@@ -86,16 +88,18 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             failure_config=FailureConfig(max_failures=s.max_failures,
                                          controller_failure_limit=start_attempts(s) - 1),
             checkpoint_config=ray_checkpoint_config(config),
+            callbacks=[EndRunOnRecordedError(config.run_dir)],
             **_quiet_console(),
         ),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
-    fatal_file = location(config.run_dir) / FATAL_ERROR_FILE
-    fatal_file.delete()
+    clear_run_ending_records(config.run_dir)
     signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: ray.get(stop_flag.request.remote()))
     try:
-        result = signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
+        return signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
     except ControllerError as e:
+        if isinstance(e.controller_failure, RunEnded):
+            raise recorded_run_ending(config.run_dir) or RuntimeError(str(e.controller_failure)) from None
         raise CannotPlaceWorkers(
             f"Ray could not start {s.min_workers or s.num_workers} workers of {worker_resources(s)} in "
             f"{start_attempts(s)} attempts of {start_timeout_s():g} s (scaling.placement_timeout_s="
@@ -105,10 +109,26 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     finally:
         if config.checkpoint.memory_every_n_steps:  # however the run ended, its snapshots in memory go
             remove_snapshots(config)
-    if fatal_file.is_file():
-        fatal = json.loads(fatal_file.read_text())
-        raise run_ending_type(fatal["type"])(fatal["message"])
-    return result
+
+
+class RunEnded(Exception):
+    """A worker met an error that no restart changes (raysft.errors.ends_the_run) and recorded it."""
+
+
+class EndRunOnRecordedError(UserCallback):
+    """On Ray Train's controller, after a poll that found a worker's error: when a worker recorded a run-ending
+    error (raysft.launch.ray_worker.record_run_ending), end the run now instead of letting Ray restart the workers
+    into it. An error raised from this hook is the controller's (ControllerError), which Ray's failure policy
+    never retries; Ray then ends every worker, so a worker waiting in a collective for the one that raised is not
+    left hanging. Without a record the error is Ray's to retry (scaling.max_failures)."""
+
+    def __init__(self, run_dir: Path | Location):
+        self.run_dir = run_dir
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        if recorded_run_ending(self.run_dir) is not None:
+            raise ControllerError(RunEnded(f"ranks {sorted(worker_exceptions)} raised; one recorded a run-ending "
+                                           f"error in {self.run_dir}"))
 
 
 def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,11 +31,11 @@ from raysft.checkpoint import (
     scratch_root,
 )
 from raysft.config import TrainConfig, config_from_dict
-from raysft.errors import RUN_ENDING
-from raysft.storage import location, use_filesystem
+from raysft.errors import ends_the_run, run_ending_type
+from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
-FATAL_ERROR_FILE = "raysft_error.json"
+RUN_ENDING_PREFIX = "raysft_error."  # <run dir>/raysft_error.<rank>.json: the error a rank met that ends the run
 EVAL_SCORE = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by
 
 
@@ -42,7 +43,7 @@ def train_worker(loop_config: dict) -> None:
     cfg = config_from_dict(loop_config["config"])
     if loop_config["filesystem"] is not None:  # the driver's endpoint and options; credentials: this process's env
         use_filesystem(cfg.run.storage_path, loop_config["filesystem"], loop_config["filesystem_path"])
-    _quiet_report_lines()
+    _quiet_console()
     worker = ray_worker_context()
     if ray.train.get_context().get_local_rank() == 0:  # before the first collective, so before any worker saves
         clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
@@ -50,10 +51,43 @@ def train_worker(loop_config: dict) -> None:
         eval_store = loop_config.get("eval_store")
         _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
                        stop_requested(loop_config["stop_flag"], worker.rank)).train()
-    except RUN_ENDING as e:  # every rank is here: end the run, do not let Ray restart it into the same error
-        if worker.rank == 0:
-            (location(cfg.run_dir) / FATAL_ERROR_FILE).write_text(
-                json.dumps({"type": type(e).__name__, "message": str(e)}))
+    except Exception as e:
+        if ends_the_run(e):  # the driver's EndRunOnRecordedError sees the record and ends the run, no restart
+            record_run_ending(cfg.run_dir, worker.rank, e)
+        raise
+
+
+def record_run_ending(run_dir: Path | Location, rank: int, error: Exception) -> None:
+    """Write down the run-ending error this rank met, before it is raised (whatever the other ranks do). Where the
+    run directory cannot take it, the error is raised unrecorded: Ray then retries, as for any other error."""
+    try:
+        (location(run_dir) / f"{RUN_ENDING_PREFIX}{rank}.json").write_text(
+            json.dumps({"rank": rank, "type": type(error).__name__, "message": str(error)}))
+    except OSError:
+        return
+    _RECORDED.set()
+
+
+def recorded_run_ending(run_dir: Path | Location) -> Exception | None:
+    """The run-ending error of the lowest rank that recorded one, as its own class; None if none did."""
+    records = [json.loads(f.read_text()) for f in _records(run_dir)]
+    if not records:
+        return None
+    first = min(records, key=lambda r: r["rank"])
+    return run_ending_type(first["type"])(first["message"])
+
+
+def clear_run_ending_records(run_dir: Path | Location) -> None:
+    """Before a launch: an earlier launch's record is no error of this one."""
+    for f in _records(run_dir):
+        f.delete()
+
+
+def _records(run_dir: Path | Location) -> list[Location]:
+    run = location(run_dir)
+    if not run.is_dir():
+        return []
+    return [f for f in run.children() if f.name.startswith(RUN_ENDING_PREFIX) and f.name.endswith(".json")]
 
 
 def stop_requested(flag, rank: int) -> Callable[[], bool]:
@@ -68,12 +102,17 @@ def stop_requested(flag, rank: int) -> Callable[[], bool]:
     return ask
 
 
-def _quiet_report_lines() -> None:
+_RECORDED = threading.Event()  # this worker met a run-ending error: its one line reaches the user from the driver
+
+
+def _quiet_console() -> None:
     """Ray Train logs every report (`Reporting training result N: TrainingReport(...)`, the whole metrics dict) at
-    INFO through a logger named by its file's path, which RunConfig's logging_config does not reach. Drop those
-    records from the console only: the worker's Ray Train log file still gets them. A Ray without that module or
-    handler is left as it is."""
+    INFO through a logger named by its file's path, which RunConfig's logging_config does not reach; and the
+    traceback of the error a worker raised (`Error in training function: ...`), which for a run-ending error
+    says no more than the driver's one line. Drop those records from the console only: the worker's Ray Train
+    log file still gets them. A Ray without those modules or that handler is left as it is."""
     try:
+        from ray.train.v2._internal import util
         from ray.train.v2._internal.execution import context
     except ImportError:
         return
@@ -81,6 +120,8 @@ def _quiet_report_lines() -> None:
 
     class _DropReports(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
+            if record.name == util.__name__ and record.levelno >= logging.ERROR and _RECORDED.is_set():
+                return False
             return record.name != noisy or record.levelno >= logging.WARNING
 
     for handler in logging.getLogger().handlers:

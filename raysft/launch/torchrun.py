@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +27,8 @@ from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_nam
 from raysft.checkpoint.discovery import RUN_FILE, read_run_id
 from raysft.checkpoint.memory import remove_run
 from raysft.config import ConfigError, TrainConfig, load_config
-from raysft.errors import RUN_ENDING
-from raysft.launch.lease import RunInUse, RunLease
+from raysft.errors import RunInUse, ends_the_run, run_ending_type
+from raysft.launch.lease import RunLease
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.parallel.collectives import from_rank0
@@ -42,41 +43,93 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
     args = parser.parse_args(argv)
     ctx = init_distributed()
-    code, agreed, config = 1, False, None
+    agreed = False
     try:
-        config = load_config(args.config, args.overrides)
-        signals = WorkerSignals(config.run.stop_grace_s)
-        done = launch(ctx, config, args.fresh, signals.requested.is_set)
-        code = 0
-        if signals.requested.is_set() and done["step"] < (config.train.stop_at_step or config.train.max_steps):
-            code = EXIT_SIGTERM  # stopped early, at a step every rank checkpointed
-            if ctx.rank == 0:
-                print(stop_message(signal.SIGTERM, config.run_dir, f"step {done['step']}"),
-                      file=sys.stderr)
-    except ConfigError as e:
-        if ctx.rank == 0:
-            print(f"raysft: config error: {e}", file=sys.stderr)
-        code = 2
-    except RUN_ENDING as e:  # raised on every rank at the same step: a message as `raysft train` prints, no traceback
-        if ctx.rank == 0:
-            print(f"raysft: error: {type(e).__name__}: {e}", file=sys.stderr)
-        code, agreed = 1, True
-    except KeyboardInterrupt:
-        if ctx.rank == 0:
-            print(stop_message(signal.SIGINT, None, None).splitlines()[0], file=sys.stderr)
-        code = EXIT_SIGINT
+        code, agreed = run_launch(ctx, args.config, args.overrides, args.fresh)
     finally:
-        agreed = agreed or code in (0, 2, EXIT_SIGTERM)
-        if config is not None and ((agreed and code != 2) or code == EXIT_SIGINT):  # ended, not a crash to restart
-            remove_snapshots(config)
-        end_distributed(agreed=agreed)
+        end_distributed(agreed)
+    if code == EXIT_SIGINT or (code == 1 and agreed):  # the run ended here (a crash is torchrun's to restart)
+        remove_snapshots(args.config, args.overrides)
     return code
 
 
-def remove_snapshots(config: TrainConfig) -> None:
-    """This host's memory-tier snapshots of the run (raysft.checkpoint.memory), once the run ended."""
-    if config.checkpoint.memory_every_n_steps and (location(config.run_dir) / RUN_FILE).is_file():
-        with contextlib.suppress(OSError, ValueError):  # an unreadable record: nothing of ours to find
+def run_launch(ctx: WorkerContext, config_path: str | None, overrides: list[str], fresh: bool = False) \
+        -> tuple[int, bool]:
+    """Collective: load the config and launch the run; the exit code, and whether every rank ended the same way
+    (then they leave the process group together). An error no relaunch changes (raysft.errors.ends_the_run),
+    met by every rank or by some, is one line on stderr, from the first rank that met it, and exit 1 (2 for a
+    config error); a rank whose collective broke because another rank ended so exits 1 without a word. Any other
+    error is raised, with its traceback."""
+    reports = RunEndingReports(ctx.world_size)
+    try:
+        config = load_config(config_path, overrides)
+        signals = WorkerSignals(config.run.stop_grace_s)
+        done = launch(ctx, config, fresh, signals.requested.is_set)
+        if signals.requested.is_set() and done["step"] < (config.train.stop_at_step or config.train.max_steps):
+            if ctx.rank == 0:  # stopped early, at a step every rank checkpointed
+                print(stop_message(signal.SIGTERM, config.run_dir, f"step {done['step']}"), file=sys.stderr)
+            return EXIT_SIGTERM, True
+        return 0, True
+    except KeyboardInterrupt:
+        if ctx.rank == 0:
+            print(stop_message(signal.SIGINT, None, None).splitlines()[0], file=sys.stderr)
+        return EXIT_SIGINT, False
+    except Exception as e:
+        if not ends_the_run(e):
+            if reports.any():  # this rank's collective broke because another rank ended the run
+                return 1, False
+            raise
+        first = reports.count_in()
+        together = reports.every_rank()
+        if (ctx.rank == 0) if together else first:  # rank 0's words where all ranks met it (its are the fullest)
+            print(f"raysft: config error: {e}" if isinstance(e, ConfigError) else
+                  f"raysft: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2 if isinstance(e, ConfigError) else 1, together
+
+
+class RunEndingReports:
+    """Which ranks of this launch met a run-ending error, counted in the process group's store: a rank that met
+    one never waits in a collective for the others (they may be inside another one), so ranks that raise together
+    print one line, and a rank that raised alone is neither silent nor waited for longer than AGREE_S. Each launch
+    counts under a key of its own (a process may launch several runs on one process group)."""
+
+    launches = 0
+    AGREE_S = 5.0  # how long a rank that met the error waits for the others to meet it too
+
+    def __init__(self, world_size: int):
+        RunEndingReports.launches += 1
+        self.key, self.world_size = f"raysft/run_ending/{RunEndingReports.launches}", world_size
+
+    def _add(self, n: int) -> int:
+        return dist.distributed_c10d._get_default_store().add(self.key, n)
+
+    def count_in(self) -> bool:
+        """Count this rank in; whether it is the first of the launch to meet a run-ending error."""
+        return self._add(1) == 1
+
+    def any(self) -> bool:
+        """Whether some rank of this launch met one (False where the store cannot tell: the error is raised)."""
+        try:
+            return self._add(0) > 0
+        except Exception:  # noqa: BLE001 - asked while another error is handled, which must not be hidden
+            return False
+
+    def every_rank(self) -> bool:
+        """Whether every rank met it (within AGREE_S): then none of them is inside a collective."""
+        deadline = time.monotonic() + self.AGREE_S
+        while self._add(0) < self.world_size:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+def remove_snapshots(config_path: str | None, overrides: list[str]) -> None:
+    """This host's memory-tier snapshots of the run (raysft.checkpoint.memory) once it ended with an error every
+    rank met or on Ctrl-C (a normal end or a stop removes them in the trainer): nothing is left in shared memory."""
+    with contextlib.suppress(Exception):  # a config that does not load, a run never claimed: nothing of ours there
+        config = load_config(config_path, overrides)
+        if config.checkpoint.memory_every_n_steps and (location(config.run_dir) / RUN_FILE).is_file():
             remove_run(config.checkpoint.memory_dir, read_run_id(config.run_dir))
 
 
@@ -114,24 +167,24 @@ def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False,
 def prepare_on_rank0(config: TrainConfig, fresh: bool, lease: RunLease | None = None) -> Stores:
     """Collective: rank 0 prepares the stores, claims the run and takes its `lease` (if given); every rank gets the
     stores, or rank 0's error."""
-    def prepare() -> tuple[str, Stores | str]:
+    def prepare() -> tuple[str, Stores | str, str]:
         try:
             if lease is not None:
                 lease.check_free()  # before anything is tokenized or moved
             stores = prepare_launch(config, fresh)
             if lease is not None:
                 lease.take()
-            return "ok", stores
-        except (ConfigError, RunInUse) as e:
-            return "config", str(e)
+            return "ok", stores, ""
+        except RunInUse as e:
+            return "refused", str(e), ConfigError.__name__
         except Exception as e:  # noqa: BLE001 - raised on every rank below, not only on rank 0
-            return "error", f"{type(e).__name__}: {e}"
+            return ("refused" if ends_the_run(e) else "error"), str(e), type(e).__name__
 
-    kind, value = from_rank0(prepare)
-    if kind == "config":
-        raise ConfigError(value)
+    kind, value, name = from_rank0(prepare)
+    if kind == "refused":
+        raise run_ending_type(name)(value)
     if kind == "error":
-        raise RuntimeError(f"rank 0 could not prepare the run: {value}")
+        raise RuntimeError(f"rank 0 could not prepare the run: {name}: {value}")
     return value
 
 
