@@ -113,8 +113,9 @@ def test_a_model_whose_config_disagrees_with_its_weights_is_one_line(gloo_pool, 
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] - 32}))
     code, stderr = run_ending(gloo_pool, sets(tmp_path, "shapes", **{"model.path": str(model)}))
-    assert code == 1
-    assert one_line(stderr).startswith(f"raysft: error: WeightsFileError: {model}/model.safetensors: tensor "), stderr
+    assert code == 2  # found before any rank reads a weight: the weights' headers against the model's shapes
+    assert one_line(stderr).startswith(f"raysft: config error: config key 'model.path': {model}/model.safetensors: "
+                                       "tensor "), stderr
     assert "has shape [" in stderr and f"the model's is [{config['intermediate_size'] - 32}, " in stderr
 
 
