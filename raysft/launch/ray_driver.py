@@ -29,6 +29,7 @@ from raysft.launch.local_ray import check_reachable, connect
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_worker import EVAL_SCORE, FATAL_ERROR_FILE, train_worker
 from raysft.launch.signals import DriverSignals
+from raysft.parallel.collectives import process_group_backend
 from raysft.storage import location
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
@@ -72,7 +73,8 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         train_loop_config={"config": config.to_dict(), "store": str(stores.train),
                            "eval_store": str(stores.eval) if stores.eval else None, "filesystem": remote,
                            "filesystem_path": root.path, "stop_flag": stop_flag},
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend("cuda" if s.use_gpu else "cpu",
+                                                               config.parallel.cpu_offload)),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
                                      use_gpu=s.use_gpu, resources_per_worker=worker_resources(s)),
         run_config=RunConfig(

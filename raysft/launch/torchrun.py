@@ -27,7 +27,7 @@ from raysft.errors import RUN_ENDING
 from raysft.launch.lease import RunInUse, RunLease
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
-from raysft.parallel.collectives import from_rank0
+from raysft.parallel.collectives import from_rank0, process_group_backend
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
 
@@ -37,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
     args = parser.parse_args(argv)
-    ctx = init_distributed()
+    try:  # before the process group: parallel.cpu_offload decides its backend
+        config, config_error = load_config(args.config, args.overrides), None
+    except ConfigError as e:
+        config, config_error = None, e
+    ctx = init_distributed(cpu_offload=config is not None and config.parallel.cpu_offload)
     code, agreed = 1, False
     try:
-        config = load_config(args.config, args.overrides)
+        if config_error is not None:
+            raise config_error
         signals = WorkerSignals(config.run.stop_grace_s)
         done = launch(ctx, config, args.fresh, signals.requested.is_set)
         code = 0
@@ -74,13 +79,14 @@ def end_distributed(agreed: bool) -> None:
     dist.destroy_process_group()
 
 
-def init_distributed() -> WorkerContext:
-    """The process group torchrun describes in the environment: NCCL with one GPU per process, else gloo."""
+def init_distributed(cpu_offload: bool = False) -> WorkerContext:
+    """The process group torchrun describes in the environment: NCCL with one GPU per process, else gloo; with
+    `cpu_offload` on a GPU, gloo beside NCCL for the offloaded CPU tensors (process_group_backend)."""
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    dist.init_process_group(process_group_backend(device.type, cpu_offload), device_id=device if gpu else None)
     return WorkerContext(dist.get_rank(), dist.get_world_size(), device, int(os.environ.get("GROUP_RANK", 0)))
 
 
