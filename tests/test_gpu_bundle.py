@@ -7,6 +7,7 @@ The build downloads from PyPI into .gpubundle-cache/ (ignored by git), once: lat
 with PyPI access does. Ray's tar is compressed at xz level 0 here, to keep the test short."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -23,6 +24,8 @@ import bundle  # noqa: E402
 
 pytestmark = pytest.mark.slow  # downloads once, then installs Ray into a venv and trains under it
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+CACHE = REPO / ".gpubundle-cache"
+TRITON = "3.6.0"  # the GPU machine's (the device tool's KINDS.md)
 
 
 def normalized(name: str) -> str:
@@ -74,7 +77,7 @@ def venv(tmp_path_factory):
     installed into SITE, which goes first on PYTHONPATH as bench/gpu/check.py puts it."""
     tmp = tmp_path_factory.mktemp("bundle")
     out = tmp / "bundle"
-    manifest = bundle.build(out, PYTHON, REPO / ".gpubundle-cache", preset=0)
+    manifest = bundle.build(out, PYTHON, CACHE, preset=0)
     base = Path(sys.base_prefix) / "bin" / f"python{PYTHON}"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(tmp / "venv")], check=True)
     python = tmp / "venv" / "bin" / "python"
@@ -122,3 +125,35 @@ def test_raysft_train_runs_from_the_bundle(venv, tmp_path):
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert (tmp_path / "bundle" / "checkpoint_00000002").is_dir()
+
+
+def triton_site() -> Path:
+    """The GPU machine's Triton, which torchtitan imports at module level and this machine's CPU build of torch
+    lacks: installed once into the cache, a folder for PYTHONPATH."""
+    site = CACHE / f"triton-{TRITON}-py{PYTHON}"
+    if not (site / "triton").is_dir():
+        (wheel,) = bundle.download([f"triton=={TRITON}"], PYTHON, CACHE)
+        partial = site.with_name(site.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                        str(partial), str(wheel)], check=True)
+        partial.rename(site)
+    return site
+
+
+def test_the_check_installs_the_bundle_and_runs_torchtitans_leg_as_far_as_a_cpu_can(venv, tmp_path):
+    # bench/gpu/check.py's bundle step, then its titan leg with torchtitan from the bundle: torchtitan's own config
+    # parsed from the leg's flags, its tokenizer and data loader built from it, one step's batch drawn
+    _, _, _, out = venv
+    env = {**os.environ, "PYTHONPATH": str(triton_site())}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out",
+                           str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "bundle,prepare,titan",
+                           "--bundle", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["name"]: s for s in json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]}
+    assert all(s["status"] == "ok" for s in steps.values()), {n: s.get("log_tail") for n, s in steps.items()}
+    titan = steps["titan"]["result"]
+    data = titan["data"]
+    rows, seq_len = data["local_batch_size"], data["tokens_per_step"] // data["local_batch_size"]
+    assert titan["dry"]["batch_shape"] == titan["dry"]["label_shape"] == [rows, seq_len]
+    assert titan["dry"]["model"] == "llama3 debugmodel" and titan["trained"].startswith("no: ")

@@ -8,8 +8,9 @@ carries, and installed from it there without a network.
 The device has Python 3.12, torch, transformers, pyarrow, pandas, numpy and the rest of DEVICE_PACKAGES, no Ray and
 no network; a call carries 64 MiB in all. Ray's wheel (about 76 MiB) does not fit as it is: its tree without
 `ray/jars` (Java) and `ray/rllib`, in a tar compressed with xz, does. The other packages are the wheels of
-CARRIED: what Ray Train and torchtitan import that the device does not have, found by running `raysft train` and
-torchtitan's trainer on a base that holds only DEVICE_PACKAGES (tests/test_gpu_bundle.py), each pinned.
+CARRIED, each pinned: the requirements of Ray[train] and torchtitan 0.3.0 (their METADATA) that the device does not
+have, with theirs. tests/test_gpu_bundle.py shows they suffice: `raysft train` runs, and torchtitan's config and
+data loader are built, from a bundle installed over a base holding only DEVICE_PACKAGES.
 
 The build refuses when the bundle, the repository's files and .benchdata would exceed what a call carries.
 Downloads are kept in .gpubundle-cache/ (ignored, not carried) and reused by later builds.
