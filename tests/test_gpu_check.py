@@ -171,6 +171,7 @@ def test_bench_results_record_versions_on_a_machine_without_ray(monkeypatch):
     assert env["ray"] is None and env["torch"] and env["transformers"]
 
 
+@pytest.mark.timeout(2400)  # four Ray launches and three of torchrun, each leg in its own process
 def test_the_issue_39_legs_run_and_record_what_they_measure(legs):
     summary, steps, _ = legs
     assert list(steps) == LEGS
@@ -196,7 +197,8 @@ def test_the_issue_39_legs_run_and_record_what_they_measure(legs):
     assert recovery["first_difference"] is None and recovery["steps_trained_twice"]
     sigterm = steps["ray_sigterm"]["result"]
     assert sigterm["returncode"] == 143 and sigterm["checkpoint_steps"][-1] == sigterm["last_step"] >= 3
-    assert steps["ray_lora"]["result"]["ok"] is True and steps["ray_lora"]["result"]["resumed_from"] == [3]
+    lora = steps["ray_lora"]["result"]
+    assert lora["ok"] is True and lora["tokens_per_s"] > 0 and 0 < lora["checkpoint_bytes"]
     for name in ("ray_worker_restart_bit_exact", "ray_sigterm_checkpoint_and_143"):
         assert summary["targets"][name]["met"] is True
     assert summary["targets"]["ray_over_torchrun"]["value"] == ray["ray_over_torchrun"]

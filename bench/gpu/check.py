@@ -279,7 +279,7 @@ def key_results(record: dict) -> str:
     if record["name"] == "ray_sigterm":
         return f"exit {r.get('returncode')}, checkpoints {r.get('checkpoint_steps')}, last step {r.get('last_step')}"
     if record["name"] == "ray_lora":
-        return f"ok {r.get('ok')}, resumed from {r.get('resumed_from')}"
+        return f"ok {r.get('ok')}, {number(r.get('tokens_per_s'), '.0f')} tokens/s"
     return ""
 
 
