@@ -1,10 +1,16 @@
 """What only a CUDA device can show; skipped without one (docs/BENCHMARKS.md has the commands to run on a GPU):
 flash varlen attention against the per-sample SDPA reference, and deterministic kernels repeating a step bit for
-bit (the memory-efficient SDPA backward would not)."""
+bit (the memory-efficient SDPA backward would not), and parallel.cpu_offload training on a group with gloo beside
+NCCL."""
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from test_loss import Samples
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -49,3 +55,15 @@ def test_deterministic_kernels_repeat_a_step_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_cpu_offload_trains_under_nccl_with_gloo_for_the_offloaded_gradients(tmp_path):
+    # the offloaded gradients and their norms are CPU tensors: NCCL alone cannot reduce them (clip_grad_norm_)
+    sets = ["parallel.cpu_offload=true", "data.max_seq_len=64", "train.max_steps=3", "train.warmup_steps=1",
+            "checkpoint.every_n_steps=3", f"run.storage_path={tmp_path / 'runs'}", "run.name=offload"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+               "raysft.run", *(arg for s in sets for arg in ("--set", s))]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HOME": str(tmp_path)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "offload" / "checkpoint_00000003").is_dir()

@@ -15,19 +15,34 @@ import check  # noqa: E402
 
 pytestmark = pytest.mark.slow  # runs the whole device check (about 40 s): not in make test-fast
 STEPS = ["environment", "tests", "prepare", "throughput", "profile", "determinism", "checkpoint"]
+LEGS = ["bundle", "prepare", "throughput", "save_memory", "titan", *check.RAY_LEGS]
+
+
+def smoke_run(tmp, *args: str) -> tuple[dict, dict, object]:
+    """The check on CPU (no bundle: Ray and torchtitan as installed here): the summary, its steps by name, --out."""
+    out = tmp / "out"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out", str(out),
+                           "--work", str(tmp / "work"), "--bundle", str(tmp / "no-bundle"), *args],
+                          cwd=tmp, capture_output=True, text=True, timeout=3300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    return summary, {s["name"]: s for s in summary["steps"]}, out
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One smoke run whose tests step fails (a test id that does not exist): the summary and the files under --out."""
-    tmp = tmp_path_factory.mktemp("gpu-check")
-    out = tmp / "out"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out", str(out),
-                           "--work", str(tmp / "work"), "--tests", "tests/test_gpu.py::test_that_does_not_exist"],
-                          cwd=tmp, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    return summary, {s["name"]: s for s in summary["steps"]}, out
+    """One smoke run of the torchrun steps whose tests step fails (a test id that does not exist)."""
+    return smoke_run(tmp_path_factory.mktemp("gpu-check"), "--only", ",".join(STEPS),
+                     "--tests", "tests/test_gpu.py::test_that_does_not_exist")
+
+
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory):
+    """One smoke run of the legs a GPU session with the bundle runs for issue 39: the Ray Train legs, torchtitan's,
+    the save's memory; the throughput step (its varlen recipe) first, which they compare against."""
+    # each leg of Ray launches Ray once or twice: the budget leaves time for a slow, shared machine
+    return smoke_run(tmp_path_factory.mktemp("gpu-legs"), "--only", ",".join(LEGS), "--variants", "varlen",
+                     "--budget-s", "3000")
 
 
 def test_a_failed_step_is_recorded_and_every_later_step_still_runs(smoke):
@@ -77,8 +92,8 @@ def test_every_step_records_what_the_issue_asks_for(smoke):
     assert steps["checkpoint"]["result"]["lora"]["bytes"] < steps["checkpoint"]["result"]["full"]["bytes"]
 
     # the torchrun path: the GPU machine has no Ray
-    assert not any(steps[name]["result"]["ray_imported"] for name in ("prepare", *check.TRAINING))
-    assert set(summary["targets"]) == {"mfu", "peak_mem_gib", "resume_bit_identical", "async_blocking_over_sync_save"}
+    assert not any(steps[name]["result"]["ray_imported"] for name in ("prepare", *check.TRAINING) if name in steps)
+    assert {"mfu", "peak_mem_gib", "resume_bit_identical", "async_blocking_over_sync_save"} <= set(summary["targets"])
 
 
 def test_the_files_that_come_back_hold_every_log(smoke):
@@ -97,7 +112,9 @@ def test_steps_without_the_time_they_need_are_skipped_not_started(tmp_path, caps
     assert check.main(["--smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
                        "--budget-s", "1"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert [(s["name"], s["status"]) for s in summary["steps"]] == [(name, "skipped") for name in STEPS]
+    every = [s.name for s in check.steps(tmp_path, [], True, tmp_path)]
+    assert set(STEPS) | set(LEGS) <= set(every)
+    assert [(s["name"], s["status"]) for s in summary["steps"]] == [(name, "skipped") for name in every]
     assert all("left of the budget" in s["reason"] for s in summary["steps"])
     assert not list((tmp_path / "work").glob("*.log"))
 
@@ -152,3 +169,36 @@ def test_bench_results_record_versions_on_a_machine_without_ray(monkeypatch):
     monkeypatch.setattr(common, "version", version)
     env = common.environment()
     assert env["ray"] is None and env["torch"] and env["transformers"]
+
+
+@pytest.mark.timeout(2400)  # four Ray launches and three of torchrun, each leg in its own process
+def test_the_issue_39_legs_run_and_record_what_they_measure(legs):
+    summary, steps, _ = legs
+    assert list(steps) == LEGS
+    assert steps["bundle"]["status"] == "skipped" and "no bundle at" in steps["bundle"]["reason"]
+    assert all(steps[name]["status"] == "ok" for name in LEGS[1:]), \
+        {name: s.get("log_tail") for name, s in steps.items() if s["status"] != "ok"}
+
+    for mode in ("sharded", "full"):  # each rank's peaks during a save, above what training held
+        memory = steps["save_memory"]["result"][mode]
+        assert memory["host_peak_gib"] > 0 and memory["host_peak_over_training_gib"] >= 0 and memory["seconds"] > 0
+
+    titan = steps["titan"]["result"]
+    assert titan["data"]["samples"] > 0 and titan["data"]["tokens_per_step"] == \
+        titan["data"]["local_batch_size"] * check.PLANS["smoke"]["seq_len"]
+    assert titan["command"][:3] == ["python", "-m", "torchtitan.train"] and len(titan["differences"]) >= 5
+    assert titan["dry"].startswith("not run: ")  # no torchtitan here: tests/test_gpu_bundle.py runs it from a bundle
+
+    ray = steps["ray_throughput"]["result"]  # the same config under both launchers: the same training
+    assert ray["ray"]["returncode"] == ray["torchrun"]["returncode"] == 0 and ray["ray_over_torchrun"] > 0
+    assert ray["ray"]["loss"] == ray["torchrun"]["loss"]
+    recovery = steps["ray_recovery"]["result"]
+    assert recovery["killed"]["pid"] > 0 and recovery["resumed_from"] and recovery["bit_exact"] is True
+    assert recovery["first_difference"] is None and recovery["steps_trained_twice"]
+    sigterm = steps["ray_sigterm"]["result"]
+    assert sigterm["returncode"] == 143 and sigterm["checkpoint_steps"][-1] == sigterm["last_step"] >= 3
+    lora = steps["ray_lora"]["result"]
+    assert lora["ok"] is True and lora["tokens_per_s"] > 0 and 0 < lora["checkpoint_bytes"]
+    for name in ("ray_worker_restart_bit_exact", "ray_sigterm_checkpoint_and_143"):
+        assert summary["targets"][name]["met"] is True
+    assert summary["targets"]["ray_over_torchrun"]["value"] == ray["ray_over_torchrun"]

@@ -10,11 +10,17 @@ hangs costs only its own minutes and the next one still runs:
     profile       torch.profiler over a few steps of the fastest recipe: the GPU's busy fraction, the top kernels
     determinism   train.deterministic: a run stopped and resumed against the same run in one go, bit for bit
     checkpoint    how long an async sharded save blocks training against a sync one, full fine-tuning and LoRA
+    save_memory   each rank's peak device and host memory during a full save, against a sharded one
+    titan         torchtitan's Llama-3 trainer on the throughput shape, dtype and tokens per step (titan.py)
+    ray_*         Ray Train: throughput against torchrun, a killed worker restarted bit-exact, SIGTERM to the
+                  driver, LoRA (ray_legs.py)
 
     python3 bench/gpu/check.py --out "$OUT"              # on the GPU machine (docs/BENCHMARKS.md: the device call)
     .venv/bin/python bench/gpu/check.py --smoke --out D  # the same steps on CPU at toy size (tests/test_gpu_check.py)
 
-Everything goes through raysft's torchrun path, which needs no Ray (the GPU machine has none). Under --out:
+The GPU machine has no Ray and no torchtitan: a first step, `bundle`, installs them from the carried bundle
+(bench/gpu/bundle.py) into WORK/site, which every later step has first on its PYTHONPATH; without a bundle it is
+skipped, and the steps before the Ray and torchtitan legs need neither (the torchrun path imports no Ray). Under --out:
 summary.json (every step's status, time, results and the end of its log, rewritten after each step), summary.md
 (the table printed at the end), logs.tar.gz (each step's log and files, every run's metrics.jsonl) and
 profile-trace.json.gz (the Chrome trace, when it fits the 16 MiB a file may have to come back).
@@ -54,20 +60,23 @@ PLANS = {
     "gpu": {"gpu": True, "mixed_precision": "bf16", "seq_len": 2048, "global_batch": 64, "micro_batch": 16,
             "model": LLAMA_1B, "small": {"hidden": 1024, "layers": 8, "intermediate": 4096, "vocab": 32768},
             "warmup": 3, "steps": 8, "compile_warmup": 3, "tune_warmup": 2, "tune_steps": 5, "max_budgets": 4,
-            "profile_steps": 3, "det_steps": 8, "saves": 2,
-            "variants": ["varlen", "full-logits", "lora", "padded", "packed", "compiled"]},
+            "profile_steps": 3, "det_steps": 8, "saves": 2, "recovery_steps": 40, "launch_timeout_s": 150,
+            "titan_timeout_s": 150, "variants": ["varlen", "full-logits", "lora", "padded", "packed", "compiled"]},
     "smoke": {"gpu": False, "mixed_precision": "bf16", "seq_len": 128, "global_batch": 8, "micro_batch": 2,
               "model": {"hidden": 128, "layers": 2, "intermediate": 0, "vocab": 0},
               "small": {"hidden": 128, "layers": 2, "intermediate": 0, "vocab": 0},
               "warmup": 1, "steps": 1, "compile_warmup": 0, "tune_warmup": 1, "tune_steps": 1, "max_budgets": 2,
-              "profile_steps": 1, "det_steps": 2, "saves": 1,
-              "variants": ["varlen", "full-logits", "lora", "padded", "packed"]},
+              "profile_steps": 1, "det_steps": 2, "saves": 1, "recovery_steps": 12, "launch_timeout_s": 240,
+              "titan_timeout_s": 60, "variants": ["varlen", "full-logits", "lora", "padded", "packed"]},
 }
 # The issue-30 targets (H100, 1B shape, bf16, FastChat data) that the summary checks the results against.
 TARGET_MFU, TARGET_PEAK_GIB, TARGET_ASYNC_BLOCKING = 0.40, 0.6 * 35.2, 0.05
+# issue 17's and 39's: raysft under Ray at least 0.97 of the same trainer under torchrun, at least torchtitan's
+TARGET_RAY_OVER_TORCHRUN, TARGET_OVER_TORCHTITAN = 0.97, 1.0
 
 
-TRAINING = ("throughput", "profile", "determinism", "checkpoint")
+TRAINING = ("throughput", "profile", "determinism", "checkpoint", "save_memory")
+RAY_LEGS = ("ray_throughput", "ray_recovery", "ray_sigterm", "ray_lora")
 
 
 @dataclass
@@ -82,7 +91,7 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def steps(work: Path, tests: list[str], smoke: bool) -> list[Step]:
+def steps(work: Path, tests: list[str], smoke: bool, bundle: Path) -> list[Step]:
     py, script = sys.executable, str(GPU_DIR / "steps.py")
     scale = 2.5 if smoke else 1.0  # CPU steps at toy size still import as much, on fewer cores
     # on CPU one thread per process, as Ray and bench/throughput.py give their workers: torch's threads wait for
@@ -92,14 +101,18 @@ def steps(work: Path, tests: list[str], smoke: bool) -> list[Step]:
     def step(name: str, command: list[str], timeout_s: float, reserve_s: float) -> Step:
         return Step(name, command, timeout_s * scale, reserve_s * scale, name in TRAINING, env)
 
-    return [step("environment", [py, str(GPU_DIR / "environment.py"), str(work)], 60, 20),
+    return [step("bundle", [py, str(GPU_DIR / "bundle.py"), "install", str(bundle), str(work / "site")], 60, 10),
+            step("environment", [py, str(GPU_DIR / "environment.py"), str(work)], 60, 20),
             step("tests", [py, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider",
                            f"--junitxml={work / 'tests.xml'}"], 120, 30),
             step("prepare", [py, script, "prepare", str(work)], 90, 30),
             step("throughput", [py, script, "throughput", str(work)], 270, 60),
             step("profile", [py, script, "profile", str(work)], 75, 30),
             step("determinism", [py, script, "determinism", str(work)], 75, 30),
-            step("checkpoint", [py, script, "checkpoint", str(work)], 75, 30)]
+            step("checkpoint", [py, script, "checkpoint", str(work)], 75, 30),
+            step("save_memory", [py, script, "save_memory", str(work)], 60, 20),
+            step("titan", [py, str(GPU_DIR / "titan.py"), str(work)], 180, 40),
+            *(step(leg, [py, str(GPU_DIR / "ray_legs.py"), leg, str(work)], 240, 40) for leg in RAY_LEGS)]
 
 
 def gpu_tests() -> tuple[list[str], list[str]]:
@@ -116,7 +129,8 @@ def gpu_tests() -> tuple[list[str], list[str]]:
 
 def torchrun_env() -> dict[str, str]:
     """What `torchrun --standalone --nproc-per-node 1` gives its one worker, for
-    raysft.launch.torchrun.init_distributed: the steps train as torchrun's worker would, without a launcher process importing torch once more per step."""
+    raysft.launch.torchrun.init_distributed: the steps train as torchrun's worker would, without a launcher process
+    importing torch once more per step."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -183,7 +197,19 @@ def targets(records: dict[str, dict]) -> dict[str, dict]:
     best = max(ok, key=lambda r: r["tokens_per_s"], default={})
     det = records.get("determinism", {}).get("result", {})
     ckpt = records.get("checkpoint", {}).get("result", {}).get("full", {})
+    def result(name: str) -> dict:
+        return records.get(name, {}).get("result", {})
+
+    def holds(value) -> dict:
+        return {"value": value, "target": True, "met": value}
+
     return {"mfu": check(best.get("mfu"), TARGET_MFU, below=False),
+            "ray_over_torchrun": check(result("ray_throughput").get("ray_over_torchrun"), TARGET_RAY_OVER_TORCHRUN,
+                                       below=False),
+            "raysft_over_torchtitan": check(result("titan").get("comparison", {}).get("raysft_over_torchtitan"),
+                                            TARGET_OVER_TORCHTITAN, below=False),
+            "ray_worker_restart_bit_exact": holds(result("ray_recovery").get("bit_exact")),
+            "ray_sigterm_checkpoint_and_143": holds(result("ray_sigterm").get("checkpointed_and_143")),
             "peak_mem_gib": check(best.get("peak_mem_gib"), TARGET_PEAK_GIB, below=True),
             "resume_bit_identical": {"value": det.get("resume_bit_identical"), "target": True,
                                      "met": det.get("resume_bit_identical")},
@@ -237,6 +263,23 @@ def key_results(record: dict) -> str:
     if record["name"] == "checkpoint":
         return ", ".join(f"{k}: async blocks {number(v['async_blocking_over_sync_save'], '.3f')} of a sync save"
                          for k, v in r.items() if isinstance(v, dict) and "async_blocking_over_sync_save" in v)
+    if record["name"] == "save_memory":
+        return ", ".join(f"{k}: device +{number(v['device_peak_over_training_gib'], '.2f')} GiB, host "
+                         f"+{number(v['host_peak_over_training_gib'], '.2f')} GiB" for k, v in r.items()
+                         if isinstance(v, dict) and "device_peak_gib" in v)
+    if record["name"] == "titan":
+        c = r.get("comparison", {})
+        return f"torchtitan {number(c.get('torchtitan_tokens_per_s'), '.0f')} tokens/s, raysft over torchtitan " \
+               f"{number(c.get('raysft_over_torchtitan'), '.3f')}" if c else str(r.get("trained", ""))
+    if record["name"] == "ray_throughput":
+        return f"{r.get('variant')}: Ray over torchrun {number(r.get('ray_over_torchrun'), '.3f')}"
+    if record["name"] == "ray_recovery":
+        killed = (r.get("killed") or {}).get("after_step")
+        return f"killed after step {killed}, resumed from {r.get('resumed_from')}, bit-exact {r.get('bit_exact')}"
+    if record["name"] == "ray_sigterm":
+        return f"exit {r.get('returncode')}, checkpoints {r.get('checkpoint_steps')}, last step {r.get('last_step')}"
+    if record["name"] == "ray_lora":
+        return f"ok {r.get('ok')}, {number(r.get('tokens_per_s'), '.0f')} tokens/s"
     return ""
 
 
@@ -266,18 +309,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default="", help="conversations to train on (default: FastChat's dummy data)")
     parser.add_argument("--tests", nargs="*", help="test files or ids for the tests step (default: gpu_tests())")
     parser.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
+    parser.add_argument("--variants", default="", help="comma-separated throughput recipes (default: the plan's)")
+    parser.add_argument("--bundle", type=Path, default=REPO / ".gpubundle",
+                        help="what bench/gpu/bundle.py built: Ray and torchtitan for a machine without them")
     args = parser.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="raysft-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
     plan = dict(PLANS["smoke" if args.smoke else "gpu"])
+    if args.variants:
+        plan["variants"] = [v for v in plan["variants"] if v in args.variants.split(",")]
     plan["data"] = args.data or ("builtin:demo" if args.smoke else
                                  str(next((p for p in FASTCHAT if p.is_file()), "builtin:demo")))
     (work / "plan.json").write_text(json.dumps(plan, indent=1))
     tests, excluded = (args.tests, []) if args.tests is not None else gpu_tests()
     budget = args.budget_s or (1200 if args.smoke else 500)
-    todo = [s for s in steps(work, tests, args.smoke) if not args.only or s.name in args.only.split(",")]
+    todo = [s for s in steps(work, tests, args.smoke, args.bundle) if not args.only or s.name in args.only.split(",")]
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "smoke": args.smoke, "budget_s": budget,
                "work": str(work), "plan": plan, "tests": tests, "tests_excluded_need_ray": excluded, "steps": []}
     start = time.perf_counter()
@@ -285,10 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         left = budget - (time.perf_counter() - start) - sum(s.reserve_s for s in todo[i + 1:])
         if left < step.reserve_s:
             record = {"name": step.name, "status": "skipped", "reason": f"{left:.0f} s left of the budget"}
+        elif step.name == "bundle" and not (args.bundle / "manifest.json").is_file():
+            record = {"name": step.name, "status": "skipped",
+                      "reason": f"no bundle at {args.bundle} (bench/gpu/bundle.py build): Ray and torchtitan as "
+                                "installed, if they are"}
         else:
             print(f"check: {step.name} (up to {min(step.timeout_s, left):.0f} s) ...", flush=True)
             record = run_step(step, min(step.timeout_s, left), work)
         summary["steps"].append(record)
+        if step.name == "bundle" and record["status"] == "ok":  # the later steps import Ray and torchtitan from it
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "site"), os.environ.get("PYTHONPATH")]))
         records = {r["name"]: r for r in summary["steps"]}
         summary.update(seconds=round(time.perf_counter() - start, 1), targets=targets(records))
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -22,7 +22,7 @@ from common import installed  # noqa: E402
 from throughput import measured_matmul_tflops  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "triton", "peft", "safetensors", "tokenizers", "pyarrow", "numpy", "pytest",
-            "ray")
+            "ray", "torchtitan")
 
 
 def flash_varlen() -> dict:

@@ -24,7 +24,7 @@ from torch.profiler import profile as profiler
 BENCH_DIR = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(BENCH_DIR), str(BENCH_DIR.parent)]  # bench's modules, and raysft from this checkout
 
-from common import Setup  # noqa: E402
+from common import PeakSampler, Setup, rss_bytes  # noqa: E402
 from throughput import SETS, computed_per_real_token, flops_per_token  # noqa: E402
 from torchrun_train import summarize, synchronized_time  # noqa: E402
 
@@ -314,8 +314,44 @@ def checkpoint(plan: dict, work: Path, out: Results) -> None:
     end_distributed(agreed=True)
 
 
+def save_memory(plan: dict, work: Path, out: Results) -> None:
+    """The peak memory of each rank during a save, full (the gathered state) against sharded, at the throughput
+    shape after one step: the device's allocator peak above what training held before the save, and the
+    process's resident host memory (sampled) above its level before."""
+    ctx = init_distributed()
+    out.write = ctx.rank == 0
+    s = setup(plan, "model", work)
+    sets = [*common_sets(plan), f"train.micro_batch_size={plan['micro_batch']}", "data.packing=true",
+            "model.attn_implementation=varlen", f"train.micro_batch_tokens={plan['seq_len'] * 2}"]
+    cuda = ctx.device.type == "cuda"
+    for mode in ("sharded", "full"):
+        trainer = build_trainer(s, ctx, f"save-{mode}", [*sets, f"checkpoint.mode={mode}"])
+        trainer.model.train()
+        trainer.train_step()
+        gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        device_before, host_before = (torch.cuda.memory_allocated() if cuda else 0), rss_bytes()
+        start = time.perf_counter()
+        with PeakSampler(rss_bytes) as host:
+            trainer.checkpointer.save(trainer.state, {})
+            trainer.checkpointer.finish(trainer.state.step)
+        device_peak = torch.cuda.max_memory_allocated() if cuda else 0
+        out[mode] = {"rank": ctx.rank, "seconds": time.perf_counter() - start,
+                     "device_peak_over_training_gib": (device_peak - device_before) / 2**30,
+                     "device_peak_gib": device_peak / 2**30,
+                     "host_peak_over_training_gib": (host.peak - host_before) / 2**30,
+                     "host_peak_gib": host.peak / 2**30, "params": s.params}
+        del trainer
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    end_distributed(agreed=True)
+
+
 STEPS = {"prepare": prepare, "throughput": throughput, "profile": profile,
-         "determinism": determinism, "checkpoint": checkpoint}
+         "determinism": determinism, "checkpoint": checkpoint, "save_memory": save_memory}
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.data.dataloader import DataCursor
 from raysft.errors import CheckpointError
-from raysft.parallel.collectives import default_device
+from raysft.parallel.collectives import default_device, uses_nccl
 from raysft.storage import Location, location
 from raysft.training.step_guard import StepGuard, state_problem
 
@@ -129,7 +129,7 @@ def gather_rng_states() -> dict[str, torch.Tensor]:
     """Collective: every rank's RNG states, gathered to all ranks (the collective needs device tensors under
     NCCL)."""
     local = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if torch.cuda.is_available() and uses_nccl():
         local["cuda"] = torch.cuda.get_rng_state()
     out = {}
     for kind, state in local.items():

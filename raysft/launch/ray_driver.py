@@ -38,6 +38,7 @@ from raysft.launch.ray_worker import (
     train_worker,
 )
 from raysft.launch.signals import DriverSignals
+from raysft.parallel.collectives import process_group_backend
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.storage import Location, location
 
@@ -78,7 +79,8 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         train_loop_config={"config": config.to_dict(), "store": str(stores.train),
                            "eval_store": str(stores.eval) if stores.eval else None, "filesystem": remote,
                            "filesystem_path": root.path, "stop_flag": stop_flag},
-        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        torch_config=TorchConfig(backend=process_group_backend("cuda" if s.use_gpu else "cpu",
+                                                               config.parallel.cpu_offload)),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
                                      use_gpu=s.use_gpu, resources_per_worker=worker_resources(s)),
         run_config=RunConfig(

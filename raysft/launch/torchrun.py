@@ -31,7 +31,7 @@ from raysft.errors import RunInUse, ends_the_run, run_ending_type
 from raysft.launch.lease import RunLease
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
-from raysft.parallel.collectives import from_rank0
+from raysft.parallel.collectives import from_rank0, process_group_backend
 from raysft.storage import location
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
     args = parser.parse_args(argv)
-    ctx = init_distributed()
+    try:  # before the process group: parallel.cpu_offload decides its backend
+        offload = load_config(args.config, args.overrides).parallel.cpu_offload
+    except ConfigError:
+        offload = False  # run_launch meets the error again and reports it, on every rank
+    ctx = init_distributed(cpu_offload=offload)
     agreed = False
     try:
         code, agreed = run_launch(ctx, args.config, args.overrides, args.fresh)
@@ -141,13 +145,14 @@ def end_distributed(agreed: bool) -> None:
     dist.destroy_process_group()
 
 
-def init_distributed() -> WorkerContext:
-    """The process group torchrun describes in the environment: NCCL with one GPU per process, else gloo."""
+def init_distributed(cpu_offload: bool = False) -> WorkerContext:
+    """The process group torchrun describes in the environment: NCCL with one GPU per process, else gloo; with
+    `cpu_offload` on a GPU, gloo beside NCCL for the offloaded CPU tensors (process_group_backend)."""
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if gpu else torch.device("cpu")
     if gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    dist.init_process_group(process_group_backend(device.type, cpu_offload), device_id=device if gpu else None)
     return WorkerContext(dist.get_rank(), dist.get_world_size(), device, int(os.environ.get("GROUP_RANK", 0)))
 
 

@@ -9,5 +9,6 @@ Modules, by role:
   fsdp         the dtype table and policy, and FSDP2 (`fully_shard`) for each sharding strategy, compile, activation
                checkpointing: applied in one fixed order
   sequence     Ulysses sequence parallelism: each rank's part of every packed row, attention over the whole row
-  collectives  all/any/count over ranks, a value computed on rank 0 and shared
+  collectives  the process group's backend (NCCL, gloo, or both with CPU offload); all/any/count over ranks, a
+               value computed on rank 0 and shared
 """

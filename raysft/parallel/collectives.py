@@ -1,4 +1,5 @@
-"""The one-value collectives the training loop and the checkpointer agree through."""
+"""The process group's backend, and the one-value collectives the training loop and the checkpointer agree
+through."""
 
 from __future__ import annotations
 
@@ -9,9 +10,24 @@ import torch
 import torch.distributed as dist
 
 
+def process_group_backend(device_type: str, cpu_offload: bool) -> str:
+    """The backend both launchers give init_process_group: NCCL on GPUs, gloo on the CPU. With parallel.cpu_offload
+    on a GPU, the gradients FSDP offloads and their norms are CPU tensors whose collectives NCCL cannot run, so the
+    group maps each device to its own backend (torch dispatches a collective by its tensors' device), as
+    torchtitan does for offloading; Ray's TorchConfig takes the same string."""
+    if device_type == "cpu":
+        return "cpu:gloo" if cpu_offload else "gloo"
+    return f"{device_type}:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def uses_nccl() -> bool:
+    """Whether the default group runs NCCL, alone or beside gloo ("cuda:nccl,cpu:gloo")."""
+    return any(part.rpartition(":")[2] == "nccl" for part in str(dist.get_backend()).split(","))
+
+
 def default_device() -> torch.device:
     """The device collectives run on: the current GPU under NCCL, the CPU under gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl() else torch.device("cpu")
 
 
 def all_ranks(flag: bool) -> bool:

@@ -1,0 +1,159 @@
+"""bench/gpu/bundle.py: the bundle a device call carries, built for this machine's Python (3.11; the device's is
+3.12, the only difference a parameter) and installed, with no network, into a fresh venv that sees only what the
+GPU machine has (bundle.DEVICE_PACKAGES, linked from this environment): Ray comes from the bundle alone, and
+`raysft train` runs from it.
+
+The build downloads from PyPI into .gpubundle-cache/ (ignored by git), once: later runs reuse the wheels, as CI
+with PyPI access does. Ray's tar is compressed at xz level 0 here, to keep the test short."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_env
+from packaging.requirements import Requirement
+
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import bundle  # noqa: E402
+
+pytestmark = pytest.mark.slow  # downloads once, then installs Ray into a venv and trains under it
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+CACHE = REPO / ".gpubundle-cache"
+TRITON = "3.6.0"  # the GPU machine's (the device tool's KINDS.md)
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def device_closure() -> set[str]:
+    """bundle.DEVICE_PACKAGES with what they require in this environment (the versions here may need packages the
+    device's versions do not, e.g. a newer huggingface-hub), without Ray and without anything the bundle carries:
+    those must come from the bundle."""
+    carried = {normalized(r.partition("==")[0]) for r, _ in bundle.CARRIED} | {"ray"}
+    todo, seen = list(bundle.DEVICE_PACKAGES), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in carried:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        seen.add(name)
+        for line in dist.requires or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(normalized(requirement.name))
+    return seen
+
+
+def device_like_site(dest: Path) -> Path:
+    """A folder of links to this environment's packages that the GPU machine has too (device_closure): each such
+    distribution's top-level modules and its dist-info. Nothing else of this environment is there, Ray least of
+    all."""
+    dest.mkdir()
+    names = device_closure()
+    for dist in metadata.distributions():
+        if normalized(dist.metadata["Name"]) not in names:
+            continue
+        base = Path(dist.locate_file(""))
+        for top in {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith((".", "/"))}:
+            source = base / top
+            if source.exists() and not (dest / top).exists() and top not in ("bin", "__pycache__"):
+                (dest / top).symlink_to(source)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    """A fresh venv without system site packages, its site holding a .pth to the device-like folder; the bundle
+    installed into SITE, which goes first on PYTHONPATH as bench/gpu/check.py puts it."""
+    tmp = tmp_path_factory.mktemp("bundle")
+    out = tmp / "bundle"
+    manifest = bundle.build(out, PYTHON, CACHE, preset=0)
+    base = Path(sys.base_prefix) / "bin" / f"python{PYTHON}"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(tmp / "venv")], check=True)
+    python = tmp / "venv" / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "device.pth").write_text(str(device_like_site(tmp / "device-site")) + "\n")
+    installed = tmp / "site"
+    done = subprocess.run([str(python), str(REPO / "bench" / "gpu" / "bundle.py"), "install", str(out),
+                           str(installed)], capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    yield python, installed, manifest, out
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_bundle_fits_a_device_call_and_carries_none_of_what_the_device_has(venv):
+    _, _, manifest, out = venv
+    assert manifest["carried_bytes"] <= bundle.CARRY_LIMIT and manifest["python_version"] == PYTHON
+    assert manifest["ray"].startswith("ray-") and (out / manifest["ray"]).is_file()
+    names = {w.split("-")[0].replace("_", "-").lower() for w in manifest["wheels"]}
+    assert "torchtitan" in names and not names & bundle.DEVICE_PACKAGES
+    assert json.loads((out / "manifest.json").read_text())["carried_bytes"] == manifest["carried_bytes"]
+
+
+def test_ray_comes_from_the_bundle_alone(venv):
+    python, installed, _, _ = venv
+    without = subprocess.run([str(python), "-c", "import ray"], capture_output=True, text=True)
+    assert without.returncode != 0 and "No module named 'ray'" in without.stderr  # the base has no Ray
+    probe = "import ray, ray.train.torch, torchtitan, tyro; print(ray.__file__, ray.__version__)"
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(installed)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    path, ray_version = done.stdout.split()
+    assert Path(path).is_relative_to(installed) and ray_version == bundle.version("ray")
+    assert not (installed / "ray" / "rllib").exists() and not (installed / "ray" / "jars").exists()
+
+
+def test_raysft_train_runs_from_the_bundle(venv, tmp_path):
+    python, installed, _, _ = venv
+    with cli_env() as env:
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_TMPDIR": env["RAY_TMPDIR"],
+               "PYTHONPATH": f"{installed}:{REPO}", "TOKENIZERS_PARALLELISM": "false"}
+        done = subprocess.run([str(python), "-m", "raysft", "train", "--set", "train.max_steps=2",
+                               "--set", "checkpoint.every_n_steps=2", "--set", "data.max_seq_len=64",
+                               "--set", f"run.storage_path={tmp_path}", "--set", "run.name=bundle"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert (tmp_path / "bundle" / "checkpoint_00000002").is_dir()
+
+
+def triton_site() -> Path:
+    """The GPU machine's Triton, which torchtitan imports at module level and this machine's CPU build of torch
+    lacks: installed once into the cache, a folder for PYTHONPATH."""
+    site = CACHE / f"triton-{TRITON}-py{PYTHON}"
+    if not (site / "triton").is_dir():
+        (wheel,) = bundle.download([f"triton=={TRITON}"], PYTHON, CACHE)
+        partial = site.with_name(site.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                        str(partial), str(wheel)], check=True)
+        partial.rename(site)
+    return site
+
+
+def test_the_check_installs_the_bundle_and_runs_torchtitans_leg_as_far_as_a_cpu_can(venv, tmp_path):
+    # bench/gpu/check.py's bundle step, then its titan leg with torchtitan from the bundle: torchtitan's own config
+    # parsed from the leg's flags, its tokenizer and data loader built from it, one step's batch drawn
+    _, _, _, out = venv
+    env = {**os.environ, "PYTHONPATH": str(triton_site())}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out",
+                           str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "bundle,prepare,titan",
+                           "--bundle", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["name"]: s for s in json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]}
+    assert all(s["status"] == "ok" for s in steps.values()), {n: s.get("log_tail") for n, s in steps.items()}
+    titan = steps["titan"]["result"]
+    data = titan["data"]
+    rows, seq_len = data["local_batch_size"], data["tokens_per_step"] // data["local_batch_size"]
+    assert titan["dry"]["batch_shape"] == titan["dry"]["label_shape"] == [rows, seq_len]
+    assert titan["dry"]["model"] == "llama3 debugmodel" and titan["trained"].startswith("no: ")
