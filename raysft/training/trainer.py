@@ -36,6 +36,8 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
+from raysft.model.preference_loss import REWARD_METRICS, install_sequence_nll
+from raysft.parallel.collectives import all_ranks
 from raysft.parallel.fsdp import build_mesh, gather_node_ranks, mesh_shape, parallelize, sequence_group
 from raysft.parallel.sequence import SequenceShard, model_batch
 from raysft.training.evaluation import Evaluator
@@ -48,6 +50,8 @@ from raysft.training.metrics import (
     training_flops,
 )
 from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
+from raysft.training.preference import PreferenceStep
+from raysft.training.reference import compute_reference, read_reference, reference_file, write_reference
 from raysft.training.step_guard import StepGuard
 
 
@@ -114,7 +118,10 @@ class Trainer:
         self.peak_tflops = peak_tflops(ctx.device, cfg.parallel.mixed_precision)
         parallelize(self.model, self.mesh, cfg.parallel, self.sequence_group)
         materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
-        if t.loss_chunk_tokens:
+        dpo = t.objective == "dpo"
+        if dpo:
+            install_sequence_nll(self.model, t.loss_chunk_tokens)
+        elif t.loss_chunk_tokens:
             install_chunked_loss(self.model, t.loss_chunk_tokens)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -126,10 +133,19 @@ class Trainer:
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
                                          preemption_deadline, stop_requested)
-        if resume_dir is None or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
+        self.dataset = TokenizedDataset(store)
+        reference = reference_file(store, cfg) if dpo and not cfg.model.lora.r else None
+        # the reference pass needs the starting weights, also on a resume that finds no reference file
+        missing_reference = reference is not None and not all_ranks(reference.is_file())
+        if resume_dir is None or cfg.model.lora.r or missing_reference:  # a LoRA checkpoint holds the adapters
             fallback = load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             if fallback:  # pretrained weights through rank 0's memory: say why, where the run's events are
                 self.log.event("weights_from_rank0", path=cfg.model.path, reason=fallback)
+        self.preference = None
+        if dpo:
+            self.preference = PreferenceStep(cfg, self.dataset, self._reference(reference, missing_reference),
+                                             self.shard.dp_rank, self.shard.dp_size, ctx.device,
+                                             self.tokenizer.pad_token_id)
         if resume_dir is not None:
             self.state = self.checkpointer.load(resume_dir)
             self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)
@@ -139,8 +155,26 @@ class Trainer:
         self.log.open_trackers(cfg, self.state.step if resume_dir is not None else None)
         self.evaluator = Evaluator(eval_store, cfg, self.shard, ctx.device,
                                    self.tokenizer.pad_token_id) if eval_store else None
-        self.dataset = TokenizedDataset(store)
-        self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
+        num_samples = self.preference.num_pairs if self.preference else len(self.dataset)
+        self.sampler = GlobalBatchSampler(num_samples, t.global_batch_size, self.state.cursor)
+
+    def _reference(self, path: Path | None, missing: bool) -> torch.Tensor | None:
+        """Collective when `missing`: the reference log-probabilities of every store row, computed by a pass of the
+        starting model and written beside the store; else read from there (None with LoRA: adapters off)."""
+        if path is None:
+            return None
+        if missing:
+            start = time.perf_counter()
+            logps = compute_reference(self.model, self.dataset, self.cfg, self.ctx.rank, self.ctx.world_size,
+                                      self.ctx.device, self.tokenizer.pad_token_id)
+            if self.ctx.rank == 0:
+                write_reference(path, logps, path.parent.parent, self.cfg)
+            torch.distributed.barrier()
+            self.log.event("reference_logps", file=str(path), rows=len(logps),
+                           seconds=round(time.perf_counter() - start, 3))
+            return logps
+        self.log.event("reference_logps", file=str(path), reused=True)
+        return read_reference(path, len(self.dataset))
 
     def train(self) -> dict:
         t = self.cfg.train
@@ -183,9 +217,14 @@ class Trainer:
         """One optimizer step over one global batch: forward/backward per micro-batch, clip, step unless the step
         guard skips it on every rank (raysft.training.step_guard: its decision is the step's one wait for the
         device); the metrics are kept until `reduce_metrics` (now, by default)."""
-        t, ctx = self.cfg.train, self.ctx
+        ctx = self.ctx
         start = time.time()
         global_batch = self.sampler.next_batch()
+        if self.preference is not None:
+            pairs = self.preference.forward_backward(
+                self.model, global_batch, lambda loss: self.scaler.scale(loss * ctx.world_size).backward())
+            return self._optimizer_step(start, pairs.loss, 1, pairs.lengths, pairs.computed_tokens, reduce_metrics,
+                                        dict(zip(REWARD_METRICS, pairs.reward_sums, strict=True)), len(global_batch))
         # Normalize by the assistant tokens of the whole global batch, so the gradient is the same for any
         # split into workers, micro-batches and sequence slices (FSDP averages gradients over every worker,
         # sequence groups included: hence × world size).
@@ -200,6 +239,13 @@ class Trainer:
             ce = micro_batch_loss_sum(self.model, batch)
             self.scaler.scale(ce * ctx.world_size / loss_tokens).backward()
             loss_sum += ce.detach()
+        return self._optimizer_step(start, loss_sum, loss_tokens, lengths, computed, reduce_metrics)
+
+    def _optimizer_step(self, start: float, loss_sum: torch.Tensor, loss_tokens: int, lengths: list[int],
+                        computed: int, reduce_metrics: bool, pair_sums: dict | None = None, pairs: int = 0) -> dict:
+        """Clip, step unless the step guard skips it, and keep the step's metrics. The step's loss is `loss_sum`
+        summed over the ranks / `loss_tokens` (DPO: the ranks' shares of the mean, / 1)."""
+        t, ctx = self.cfg.train, self.ctx
         loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         with warnings.catch_warnings():  # the scaler's found-inf flag meets DTensor grads: harmless notice
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
@@ -227,7 +273,9 @@ class Trainer:
         if skip:
             host["skip_reason"] = skip
             self.log.event("skipped_step", step=self.state.step, reason=skip)
-        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host)
+        if pair_sums:
+            host["pairs"] = pairs
+        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host, pair_sums)
         return self.reduce_metrics() if reduce_metrics else {}
 
     def _micro_batches(self, global_batch):
