@@ -60,7 +60,7 @@ class DataConfig:
     """ShareGPT/FastChat or OpenAI-messages conversations: .json arrays, .jsonl, .parquet, or Hugging Face datasets
     saved with save_to_disk (rows with `messages` or `conversations`); "builtin:demo" is the bundled set. An entry
     may be {path: ..., weight: w}: the source goes into the store w times over (0.5: about half its records, 2:
-    each twice), the same records on every run."""
+    each twice), the same records on every run. With train.objective dpo: preference pairs (docs/DPO.md)."""
     system_prompt: str = ""
     """A system message for the conversations that have none ("": none added)."""
     eval_paths: list[str | dict] = field(default_factory=list)
