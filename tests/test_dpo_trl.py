@@ -136,7 +136,8 @@ def plain_pytorch_history(model_dir, pairs, loss, sft_weight) -> list[dict]:
         cr, rr = 0.1 * chosen_ratio.detach(), 0.1 * rejected_ratio.detach()
         history.append({"loss": value.item(), "rewards/chosen": cr.mean().item(),
                         "rewards/rejected": rr.mean().item(),
-                        "rewards/accuracies": (cr > rr).float().mean().item(), "rewards/margins": (cr - rr).mean().item(),
+                        "rewards/accuracies": (cr > rr).float().mean().item(),
+                        "rewards/margins": (cr - rr).mean().item(),
                         "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item()})
         optimizer.zero_grad()
         value.backward()

@@ -32,6 +32,7 @@ from raysft.errors import ConfigError
 
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "DpoConfig",
-    "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
+    "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig",
+    "TrainLoopConfig",
     "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown", "sequence_layout",
 ]
