@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         {"variant": "TRL DPOTrainer (1 process)", "tokens_per_s": trl_tokens, "pairs_per_s": trl_pairs},
     ]
     table = "\n".join(["| variant | tokens/s | pairs/s | reference pass |", "|---|---:|---:|---:|"] + [
-        f"| {r['variant']} | {r['tokens_per_s']:.0f} | {r.get('pairs_per_s', 0):.1f} | "
+        f"| {r['variant']} | {r['tokens_per_s']:.0f} | "
+        + (f"{r['pairs_per_s']:.1f} | " if "pairs_per_s" in r else "— | ")
         + (f"{r['reference_s']:.1f} s = {100 * r['reference_share']:.0f}% of the run's {r['wall_s']:.0f} s |"
            if "reference_s" in r else "|") for r in results])
     print(table)
