@@ -146,7 +146,8 @@ def _end_stopped(code: int) -> None:
 
 
 def _prepare(config: TrainConfig) -> int:
-    store = prepare_store(config.data, load_tokenizer(config.model, config.data.chat_template), config.store_dir)
+    store = prepare_store(config.data, load_tokenizer(config.model, config.data.chat_template), config.store_dir,
+                          objective=config.train.objective)
     counts = read_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
     if store.built_with == "ray":

@@ -94,6 +94,16 @@ def test_hybrid_shard_without_a_node_count_is_a_config_error_naming_the_key():
 
 
 
+def test_dpo_plans_two_sequences_per_pair():
+    """train.objective dpo: micro_batch_size pairs are twice the rows; a token budget holds at least one whole pair."""
+    sft = cli_in_process("plan", "--set", "train.micro_batch_size=2")
+    dpo = cli_in_process("plan", "--set", "train.micro_batch_size=2", "--set", "train.objective=dpo")
+    assert sft.returncode == dpo.returncode == 0, dpo.stderr
+    assert "micro-batch of 1,024 tokens" in sft.stdout and "micro-batch of 2,048 tokens" in dpo.stdout
+    budget = ("--set", "data.packing=true", "--set", "train.micro_batch_tokens=600")
+    assert "micro-batch of 1,024 tokens" in cli_in_process("plan", *budget, "--set", "train.objective=dpo").stdout
+
+
 def test_host_memory_of_the_initial_weights_and_a_full_save_is_one_tensor_unless_async():
     """No rank holds the whole model: a pretrained model is read as each rank's slices (one tensor's slice at a
     time), a from-scratch one built a module at a time, a full checkpoint gathered a tensor at a time onto rank 0;

@@ -1,7 +1,7 @@
 """The run configuration: what can be set, how it is read and what it must pass.
 
 Modules, by role (each imports only those above it in this list):
-  sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics),
+  sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics, dpo),
             composed into TrainConfig; their docstrings are the configuration reference (reference_markdown)
   checks    the checks beyond types, one function per section (check_train, check_data, ...) and then those that
             join sections; the rules of the parallel layout that need no cluster (parallel_layout, which
@@ -18,6 +18,7 @@ from raysft.config.sections import (
     TRACKERS,
     CheckpointConfig,
     DataConfig,
+    DpoConfig,
     LoraConfig,
     MetricsConfig,
     ModelConfig,
@@ -31,7 +32,8 @@ from raysft.config.sections import (
 from raysft.errors import ConfigError
 
 __all__ = [
-    "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "LoraConfig",
-    "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
+    "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "DpoConfig",
+    "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig",
+    "TrainLoopConfig",
     "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown", "sequence_layout",
 ]

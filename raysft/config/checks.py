@@ -52,6 +52,7 @@ def validate(cfg: TrainConfig) -> None:
     check_metrics(cfg.metrics)
     _validate_batch(cfg)
     _validate_eval(cfg)
+    _validate_dpo(cfg)
     _validate_storage(cfg)
 
 
@@ -186,6 +187,20 @@ def _validate_eval(cfg: TrainConfig) -> None:
              "needs validation data: set data.eval_paths or data.eval_fraction")
     _require(has_eval or not c.keep_best, "checkpoint.keep_best",
              "ranks checkpoints by eval loss: set data.eval_paths or data.eval_fraction")
+
+
+def _validate_dpo(cfg: TrainConfig) -> None:
+    """The preference objective's values, and what it does not combine with."""
+    o = cfg.dpo
+    _require(o.beta > 0, "dpo.beta", f"must be > 0, got {o.beta}")
+    _require(o.sft_weight >= 0, "dpo.sft_weight", f"must be >= 0 (0: off), got {o.sft_weight}")
+    if cfg.train.objective != "dpo":
+        return
+    _require(cfg.parallel.sequence_parallel == 1, "parallel.sequence_parallel",
+             "train.objective dpo sums each answer's log-probabilities over the whole sequence on one worker: "
+             "set parallel.sequence_parallel: 1")
+    _require(not (cfg.data.eval_paths or cfg.data.eval_fraction), "data.eval_paths",
+             "train.objective dpo has no validation pass: leave data.eval_paths and data.eval_fraction unset")
 
 
 def data_sources(paths: list[str | dict], name: str = "data.paths") -> list[tuple[str, float]]:

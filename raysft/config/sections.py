@@ -60,7 +60,7 @@ class DataConfig:
     """ShareGPT/FastChat or OpenAI-messages conversations: .json arrays, .jsonl, .parquet, or Hugging Face datasets
     saved with save_to_disk (rows with `messages` or `conversations`); "builtin:demo" is the bundled set. An entry
     may be {path: ..., weight: w}: the source goes into the store w times over (0.5: about half its records, 2:
-    each twice), the same records on every run."""
+    each twice), the same records on every run. With train.objective dpo: preference pairs (docs/DPO.md)."""
     system_prompt: str = ""
     """A system message for the conversations that have none ("": none added)."""
     eval_paths: list[str | dict] = field(default_factory=list)
@@ -146,6 +146,10 @@ class TrainLoopConfig:
     loss_spike_factor: float = 0.0
     """Skip a step whose loss exceeds this factor times the median loss of the last 32 applied steps (from the 8th
     applied step on; raysft.training.step_guard); 0: off."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """"sft": next-token cross-entropy on the assistant tokens of conversations. "dpo": direct preference
+    optimization on preference pairs (the `dpo` section, docs/DPO.md); global_batch_size and micro_batch_size then
+    count pairs, each two sequences."""
 
 
 # model.attn_implementation: transformers' built-in kernels; anything registered with transformers'
@@ -242,6 +246,19 @@ class RunConfig:
     process exits with code 143 within this many seconds, checkpoint or not. Give the sender at least as long."""
 
 
+@dataclass
+class DpoConfig:
+    beta: float = 0.1
+    """The strength of the pull towards the reference model (TRL's beta): the implicit reward of an answer is beta
+    times its log-probability ratio to the reference's."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """"sigmoid": DPO's -log σ(beta · margin); "ipo": IPO's (margin per answer token - 1 / (2 beta))², the
+    log-ratios averaged over each answer's tokens as TRL does."""
+    sft_weight: float = 0.0
+    """Adds this weight times the mean NLL of the chosen answers' tokens to the loss (RPO; TRL's loss_type
+    ["sigmoid", "sft"] with loss_weights [1, w]); 0: off."""
+
+
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
@@ -266,6 +283,7 @@ class TrainConfig:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     @property
     def run_dir(self) -> Path | Location:

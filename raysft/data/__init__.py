@@ -15,6 +15,8 @@ Modules, by role (the orchestration, prepare, sits above both tokenizing paths; 
   sources       data.paths → sources with their weights, hashes and sizes; parquet / Arrow / HF dataset tables
   labels        assistant-only labels from the rendered chat template, tool calls included
   conversation  records (ShareGPT, OpenAI) → messages
+  preference    preference records (TRL's prompt/chosen/rejected, full chosen/rejected conversations) → a pair of
+                sequences labelled on their answers (train.objective dpo)
   tokenizer     the tokenizer and chat template, refused if it would run code; its fingerprint
   dataloader    the global data cursor → each rank's micro-batches, padded or packed
   demo          the embedded demo's conversations and byte-level BPE tokenizer (raysft/assets/demo)

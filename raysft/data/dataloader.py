@@ -246,3 +246,17 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
             if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
+
+
+def pair_rows(pairs: np.ndarray) -> np.ndarray:
+    """The store rows of preference pairs (store.PAIR_SCHEMA: pair k is rows 2k, chosen, and 2k + 1, rejected), in
+    the pairs' order, each pair's chosen row first: collated together, the two answers of a pair share their
+    micro-batch, as separate rows when padded and separate samples of the row when packed."""
+    pairs = np.asarray(pairs, dtype=np.int64)
+    return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+
+
+def pair_lengths(dataset: TokenizedDataset) -> np.ndarray:
+    """Each pair's token count, both sequences: what a token budget cuts pairs by."""
+    lengths = dataset.num_tokens
+    return lengths[0::2] + lengths[1::2]

@@ -1,4 +1,5 @@
-"""The embedded demo's assets: synthetic conversations and a byte-level BPE tokenizer trained on them.
+"""The embedded demo's assets: synthetic conversations, a byte-level BPE tokenizer trained on them, and
+preference pairs of the same questions (right and wrong answers) for the DPO demo.
 
 Nothing may come from a model hub, so the project makes its own. The files are shipped in raysft/assets/demo;
 `python -m raysft.data.demo` regenerates them (deterministically) after a change here.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 DEMO_DIR = Path(__file__).parent.parent / "assets" / "demo"
 DEMO_CONVERSATIONS = DEMO_DIR / "conversations.json"
+DEMO_PREFERENCES = DEMO_DIR / "preferences.json"
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
 
 # Assistant text is wrapped in {% generation %} so transformers can return the assistant-token mask.
@@ -65,6 +67,33 @@ def make_demo_conversations(n: int = 1200, seed: int = 0) -> list[dict]:
     return records
 
 
+def _wrong(answer: str, rng: random.Random) -> str:
+    """The answer with its last word replaced by a wrong one of the same kind (another capital, colour, sum...)."""
+    words = answer[:-1].split(" ")
+    last = words[-1]
+    if last.isdigit():
+        wrong = str((int(last) + rng.randrange(1, 9)) % 19)
+    else:
+        kinds = [[v.split(" ")[-1] for v in kind.values()] for kind in (_CAPITALS, _OPPOSITES, _COLORS)]
+        wrong = rng.choice([w for w in next(k for k in kinds if last in k) if w != last])
+    return " ".join([*words[:-1], wrong]) + "."
+
+
+def make_demo_preferences(n: int = 400, seed: int = 1) -> list[dict]:
+    """TRL-format preference pairs (conversational, explicit prompt): the demo's questions, answered right
+    (chosen) and with a wrong fact (rejected); some open with the demo's system prompt."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(n):
+        question, answer = _qa(rng)
+        prompt = [{"role": "system", "content": _SYSTEM}] if rng.random() < 0.25 else []
+        prompt.append({"role": "user", "content": question})
+        records.append({"id": f"demo-pref-{i}", "prompt": prompt,
+                        "chosen": [{"role": "assistant", "content": answer}],
+                        "rejected": [{"role": "assistant", "content": _wrong(answer, rng)}]})
+    return records
+
+
 def train_demo_tokenizer(texts: list[str], vocab_size: int = 512):
     """A byte-level BPE (so any text encodes) wrapped for transformers, with the demo chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -88,6 +117,7 @@ def write_demo_assets(out_dir: Path = DEMO_DIR) -> None:
     (out_dir / "conversations.json").write_text(json.dumps(records, indent=1) + "\n")
     texts = [turn["value"] for record in records for turn in record["conversations"]]
     train_demo_tokenizer(texts).save_pretrained(out_dir / "tokenizer")
+    (out_dir / "preferences.json").write_text(json.dumps(make_demo_preferences(), indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def marks_generation(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def label_conversation(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_seq_len: int,
-                       train_on: TrainOn = "all_assistant") -> Labelled:
-    """input_ids and labels (IGNORE_INDEX outside the supervised spans), truncated to max_seq_len."""
+                       train_on: TrainOn = "all_assistant", context_turns: int = 0) -> Labelled:
+    """input_ids and labels (IGNORE_INDEX outside the supervised spans), truncated to max_seq_len. The first
+    `context_turns` assistant turns are context, not supervised (a preference pair's prompt)."""
     try:
         if marks_generation(tokenizer):
             (text, spans), rewritten = _generation_spans(tokenizer, conversation), 0
@@ -96,6 +97,12 @@ def label_conversation(tokenizer: PreTrainedTokenizerBase, conversation: Convers
         raise
     except Exception as e:  # jinja's raise_exception and friends: the template rejects this conversation
         raise BadRecord("template_error", f"{template_name(tokenizer)} failed: {e}") from e
+    if context_turns:
+        turns = sum(m["role"] == "assistant" for m in conversation.messages)
+        if len(spans) != turns:  # generation blocks that do not wrap each assistant turn once
+            raise BadRecord("template_error", f"{template_name(tokenizer)} marks {len(spans)} generation spans for "
+                            f"{turns} assistant turns, so which belong to the prompt is not certain")
+        spans = spans[context_turns:]
     if train_on == "last_assistant":
         spans = spans[-1:]
     encoded = tokenizer(text, add_special_tokens=False)

@@ -18,7 +18,9 @@ from raysft.data.readers import read_records
 from raysft.data.sources import Source, resolve_sources
 from raysft.data.store import (
     DISK_FULL,
+    PAIR_SCHEMA,
     STORE_FORMAT,
+    Objective,
     Samples,
     Split,
     StoreInfo,
@@ -35,11 +37,14 @@ from raysft.storage import built_then_renamed
 
 
 def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path,
-                  split: Split = "train", before_writing: Callable[[str], None] | None = None) -> StoreInfo:
+                  split: Split = "train", objective: Objective = "sft",
+                  before_writing: Callable[[str], None] | None = None) -> StoreInfo:
     """Tokenize cfg.paths into `<store_root>/<fingerprint>` unless an identical store is already there.
 
-    `before_writing(fingerprint)` runs before a new store is tokenized: a launch refuses there what it would refuse
-    anyway (another run's data), before anything is written.
+    `objective` "dpo" reads preference records into pairs of rows (raysft.data.preference, store.PAIR_SCHEMA); it is
+    part of the fingerprint, so an SFT and a DPO store of the same files never mix. Preference stores are tokenized
+    here, never on Ray. `before_writing(fingerprint)` runs before a new store is tokenized: a launch refuses there
+    what it would refuse anyway (another run's data), before anything is written.
 
     `split` "eval" is the validation store: cfg.eval_paths, or the records data.eval_fraction holds out of cfg.paths
     (then the "train" store lacks them). Where (data.prepare) is not part of the fingerprint: both ways write the
@@ -60,6 +65,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         "train_on": cfg.train_on,
         **({"eval_split": [cfg.eval_fraction, split]} if cfg.eval_fraction else {}),
         **({"stop_after_last_turn": stop} if (stop := appended_stop(tokenizer)) else {}),
+        **({"objective": objective, "pairs": PAIR_SCHEMA} if objective != "sft" else {}),
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = store_root / fingerprint
@@ -71,11 +77,14 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     if before_writing is not None:
         before_writing(fingerprint)
 
-    on_ray = use_ray(cfg.prepare, sum(s.bytes for s in sources))
+    on_ray = objective == "sft" and use_ray(cfg.prepare, sum(s.bytes for s in sources))
     # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.
     try:
         with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file()) as tmp:
-            counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp, split)
+            if on_ray:
+                counts = tokenize_on_ray(cfg, tokenizer, sources, tmp, split)
+            else:
+                counts = _tokenize_here(cfg, tokenizer, sources, tmp, split, objective)
             manifest = {
                 "fingerprint": fingerprint,
                 "key": key,
@@ -99,8 +108,8 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
 
 
 def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path,
-                   split: Split = "train") -> dict:
-    samples = Samples(tokenizer, cfg)
+                   split: Split = "train", objective: Objective = "sft") -> dict:
+    samples = Samples(tokenizer, cfg, objective)
     for source in sources:
         for index, record in read_records(source.path):
             samples.add(str(source.path), index, record, split_copies(cfg, split, source.weight, source.sha256, index))

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raysft.config import BUILTIN, DataConfig, data_sources
-from raysft.data.demo import DEMO_CONVERSATIONS
+from raysft.data.demo import DEMO_CONVERSATIONS, DEMO_PREFERENCES
 from raysft.errors import DataError, SourceError
 from raysft.storage import hash_stream
 
@@ -144,6 +144,8 @@ def copies(weight: float, source_sha: str, index: int) -> int:
 def resolve_data_path(name: str) -> Path:
     if name == BUILTIN + "demo":
         return DEMO_CONVERSATIONS
+    if name == BUILTIN + "demo-preferences":
+        return DEMO_PREFERENCES
     path = Path(name).expanduser()
     if not (path.is_file() or path.is_dir()):
         raise DataError(f"data.paths: {name} is not a file or a dataset directory")

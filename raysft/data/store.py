@@ -20,7 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from raysft.config import DataConfig
 from raysft.data.conversation import BadRecord, to_conversation
-from raysft.data.labels import IGNORE_INDEX, label_conversation, marks_generation, template_profile
+from raysft.data.labels import IGNORE_INDEX, Labelled, label_conversation, marks_generation, template_profile
+from raysft.data.preference import label_pair, to_pair
 from raysft.data.sources import DataError, Source, copies
 
 STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.data.labels), tool calls
@@ -30,6 +31,10 @@ ROW_GROUP_BYTES = 256 << 10
 
 
 Split = Literal["train", "eval"]
+Objective = Literal["sft", "dpo"]
+# A preference store (train.objective dpo): each pair is two consecutive rows, 2k its chosen sequence and 2k + 1 its
+# rejected one, both of the same source record; a bool column `chosen` says which is which.
+PAIR_SCHEMA = "rows 2k (chosen) and 2k+1 (rejected) of pair k"
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota reached
@@ -85,10 +90,13 @@ class Samples:
     """Tokenized records, in input order, and the counts the manifest keeps. The local path feeds it every record,
     a Ray task one chunk's: the same code on both sides is what makes the two stores agree."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig):
-        self.tokenizer, self.cfg = tokenizer, cfg
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, objective: Objective = "sft"):
+        """objective "dpo": each record is a preference pair (raysft.data.preference), two rows: see PAIR_SCHEMA."""
+        self.tokenizer, self.cfg, self.objective = tokenizer, cfg, objective
         self.columns: dict[str, list] = {"input_ids": [], "labels": [], "num_loss_tokens": [], "source": [],
                                          "record": []}
+        if objective == "dpo":
+            self.columns["chosen"] = []
         self.skipped: Counter[str] = Counter()
         self.records = self.truncated = self.rewritten_turns = self.weighted_out = self.held_out = 0
 
@@ -103,13 +111,10 @@ class Samples:
             self.weighted_out += 1
             return
         try:
-            sample = label_conversation(self.tokenizer, to_conversation(record, self.cfg.system_prompt),
-                                        self.cfg.max_seq_len,
-                                        self.cfg.train_on)
-            input_ids, labels = sample.input_ids, sample.labels
+            rows = self._label(record)
             # a label at position 0 is never predicted: count what the shifted loss actually sees
-            num_loss_tokens = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
-            if num_loss_tokens == 0:
+            loss_tokens = [sum(1 for t in row.labels[1:] if t != IGNORE_INDEX) for row in rows]
+            if 0 in loss_tokens:
                 raise BadRecord("no_assistant_tokens_after_truncation",
                                 f"no assistant token is left within data.max_seq_len={self.cfg.max_seq_len}")
         except BadRecord as e:
@@ -118,15 +123,28 @@ class Samples:
                                 "(set data.on_bad_record=skip to skip such records)") from None
             self.skipped[e.reason] += 1
             return
-        self.truncated += len(input_ids) == self.cfg.max_seq_len
-        self.rewritten_turns += sample.rewritten_turns
-        for name, value in zip(self.columns, (input_ids, labels, num_loss_tokens, source, index), strict=True):
-            self.columns[name].extend([value] * copies)
+        self.truncated += sum(len(row.input_ids) == self.cfg.max_seq_len for row in rows)
+        self.rewritten_turns += sum(row.rewritten_turns for row in rows)
+        for _ in range(copies):  # a pair's two rows stay next to each other
+            for k, (row, num_loss_tokens) in enumerate(zip(rows, loss_tokens, strict=True)):
+                values = (row.input_ids, row.labels, num_loss_tokens, source, index)
+                for name, value in zip(self.columns, values, strict=False):
+                    self.columns[name].append(value)
+                if self.objective == "dpo":
+                    self.columns["chosen"].append(k == 0)
+
+    def _label(self, record: Any) -> list[Labelled]:
+        """The record's rows: one conversation, or a preference pair's chosen and rejected sequence."""
+        if self.objective == "dpo":
+            return list(label_pair(self.tokenizer, to_pair(record, self.cfg.system_prompt), self.cfg.max_seq_len))
+        return [label_conversation(self.tokenizer, to_conversation(record, self.cfg.system_prompt),
+                                   self.cfg.max_seq_len, self.cfg.train_on)]
 
     def counts(self) -> dict:
         return {"records": self.records, "samples": len(self.columns["record"]), "truncated": self.truncated,
                 "rewritten_turns": self.rewritten_turns, "weighted_out": self.weighted_out,
-                "held_out": self.held_out, "skipped": dict(self.skipped)}
+                "held_out": self.held_out, "skipped": dict(self.skipped),
+                **({"pairs": len(self.columns["record"]) // 2} if self.objective == "dpo" else {})}
 
     def write(self, path: Path) -> None:
         c = self.columns
@@ -137,6 +155,7 @@ class Samples:
             "num_tokens": pa.array([len(ids) for ids in c["input_ids"]], type=pa.int32()),
             "source": pa.array(c["source"], type=pa.string()),
             "record": pa.array(c["record"], type=pa.int64()),
+            **({"chosen": pa.array(c["chosen"], type=pa.bool_())} if "chosen" in c else {}),
         }), path)
 
 

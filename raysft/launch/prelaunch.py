@@ -54,7 +54,7 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     check_trackers(config)
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
-    store = prepare_store(config.data, tokenizer, config.store_dir,
+    store = prepare_store(config.data, tokenizer, config.store_dir, objective=config.train.objective,
                           before_writing=None if fresh else functools.partial(refuse_before_writing, config))
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
@@ -63,7 +63,7 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
         eval_store = prepare_store(config.data, tokenizer, config.store_dir, split="eval")
         print(f"raysft: eval store {eval_store.path} ({eval_store.num_samples} samples"
               f"{', reused' if eval_store.reused else ''})", flush=True)
-    check_batch(config, store.num_samples)
+    check_batch(config, store.num_samples // 2 if config.train.objective == "dpo" else store.num_samples)
     moved = claim_run_dir(config, store.path.name, fresh)
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
@@ -103,8 +103,10 @@ def check_weights(config: TrainConfig, hf_config: PretrainedConfig) -> None:
 
 
 def check_batch(config: TrainConfig, num_samples: int) -> None:
+    """num_samples: the store's samples, or its pairs under train.objective dpo."""
+    what = "pairs" if config.train.objective == "dpo" else "samples"
     if num_samples < config.train.global_batch_size:
-        raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} samples per step, "
+        raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} {what} per step, "
                           f"but the data has {num_samples}: lower it or add data")
 
 
@@ -181,6 +183,8 @@ def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
     for key in RUN_DEFINING_KEYS:
         section, name = key.split(".")
         identity[key] = values[section][name]
+    if config.train.objective != "sft":  # absent: SFT, as in runs recorded before there was a choice
+        identity["train.objective"] = config.train.objective
     if config.model.lora.r:
         identity["model.lora"] = values["model"]["lora"]
         if not config.model.path:

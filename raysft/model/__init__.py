@@ -7,4 +7,5 @@ Modules, by role:
   attention    padding-free attention over packed rows (`model.attn_implementation: varlen`)
   lora         peft adapters injected before sharding, the base frozen
   loss         next-token cross-entropy over the assistant tokens, a chunk of label tokens at a time
+  preference_loss  each answer's log-probability (per sequence, chunked), DPO's and IPO's loss per pair
 """

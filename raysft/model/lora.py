@@ -14,7 +14,8 @@ model, its adapters `...q_proj.lora_A.default.weight` and `...q_proj.lora_B.defa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
@@ -66,6 +67,23 @@ def init_adapter(name: str, module: nn.Module) -> None:
         nn.init.zeros_(module.weight)
     else:
         module.reset_parameters()
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model for a while: every peft layer skips its adapters (the reference of a LoRA DPO run). The flag
+    is peft's own, set directly: peft's enable_adapters(False) would also change the adapters' requires_grad,
+    which FSDP2 has already grouped."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
 
 
 def _config_error(e: Exception, targets: Iterable[str]) -> None:

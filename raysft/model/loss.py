@@ -72,18 +72,19 @@ def _chunked_loss_sum(self: nn.Module, loss_positions: torch.Tensor, loss_target
     # at least one (maybe empty) chunk: a micro-batch without loss tokens still backpropagates through the model,
     # so that FSDP reduces gradients on every rank alike
     for start in range(0, max(1, len(loss_targets)), chunk):
-        part = checkpoint(_chunk_loss_sum, head, hidden[start : start + chunk], loss_targets[start : start + chunk],
+        part = checkpoint(chunk_cross_entropy, head, hidden[start : start + chunk], loss_targets[start : start + chunk],
                           self.loss_softcap, use_reentrant=False)
         total = part if total is None else total + part
     return total
 
 
-def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    softcap: float | None) -> torch.Tensor:
+def chunk_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    softcap: float | None, reduction: str = "sum") -> torch.Tensor:
+    """The chunk's cross-entropy in fp32: summed, or per token (reduction "none", the preference loss's)."""
     logits = head(hidden)
     if softcap:  # Gemma-2's final_logit_softcapping, in the compute dtype as the model's own forward does
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+    return F.cross_entropy(logits.float(), targets, reduction=reduction)
 
 
 def micro_batch_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -102,8 +102,13 @@ def shard_group(cfg: TrainConfig, topology: Topology) -> int:
 
 def micro_batch_tokens(cfg: TrainConfig) -> int:
     """The most tokens one micro-batch can hold: train.micro_batch_tokens, else micro_batch_size padded rows of
-    data.max_seq_len (shorter data pads to less)."""
-    return cfg.train.micro_batch_tokens or cfg.train.micro_batch_size * cfg.data.max_seq_len
+    data.max_seq_len (shorter data pads to less). train.objective dpo counts two sequences per pair: the
+    micro_batch_size pairs are twice as many rows, and a token budget takes whole pairs (one longer than the budget
+    goes alone: up to two rows of data.max_seq_len)."""
+    t, sequences = cfg.train, 2 if cfg.train.objective == "dpo" else 1
+    if t.micro_batch_tokens:
+        return max(t.micro_batch_tokens, sequences * cfg.data.max_seq_len)
+    return sequences * t.micro_batch_size * cfg.data.max_seq_len
 
 
 def activation_bytes(cfg: TrainConfig, shape: ModelShape, tokens: int) -> float:

@@ -5,6 +5,8 @@ Modules, by role:
   optim        AdamW, the learning-rate schedule, the fp16 loss scaler
   step_guard   whether a step may change the model (non-finite or spiking loss or gradient norm)
   evaluation   the loss over the eval store, on every worker, without gradients
+  preference   one DPO step's forward and backward over a global batch of pairs (train.objective dpo)
+  reference    the DPO reference log-probabilities: one pass of the starting model, stored beside the store
   metrics      rank 0's per-step metrics.jsonl and progress line
   trackers     TensorBoard, MLflow, W&B beside metrics.jsonl (optional extras)
 """

@@ -125,11 +125,15 @@ class StepTotals:
         self.device, self.peak_tflops = device, peak_tflops
         self.rows: list[tuple[float, dict, torch.Tensor]] = []
 
-    def add(self, step_start: float, on_device: dict[str, torch.Tensor], on_host: dict) -> None:
+    def add(self, step_start: float, on_device: dict[str, torch.Tensor], on_host: dict,
+            pair_sums: dict[str, torch.Tensor] | None = None) -> None:
         """on_device: DEVICE values as 0-d tensors; on_host: HOST values plus the fields that need no reduction
-        (step, loss_tokens, lr, epoch, ...)."""
-        values = torch.stack([on_device[k].detach().reshape(()).to(torch.float64) for k in self.DEVICE])
-        self.rows.append((step_start, {**on_host, "time": time.time()}, values))
+        (step, loss_tokens, lr, epoch, ...). pair_sums (train.objective dpo): sums over this rank's pairs, reported
+        as their means over the step's on_host["pairs"] (every step of a run has the same names)."""
+        sums = pair_sums or {}
+        values = torch.stack([on_device[k].detach().reshape(()).to(torch.float64) for k in self.DEVICE]
+                             + [v.detach().reshape(()).to(torch.float64) for v in sums.values()])
+        self.rows.append((step_start, {**on_host, "time": time.time(), "pair_means": list(sums)}, values))
 
     def reduce(self) -> list[dict]:
         """Collective, at the same steps on every rank: the rows since the last call, reduced over the ranks."""
@@ -144,14 +148,16 @@ class StepTotals:
         ranks = torch.stack(gathered).cpu()  # (ranks, steps, values): the one wait for the device
         end = time.time()
         sums, maxima = ranks.sum(0).tolist(), ranks.max(0).values.tolist()
-        names = self.DEVICE + self.HOST
+        means = rows[0][1]["pair_means"]
+        names = (*self.DEVICE, *means, *self.HOST)
         window_s = end - rows[0][0]
         tokens = sum(s[names.index("tokens")] for s in sums)
         flops = sum(s[names.index("flops")] for s in sums)
         out = []
         for (_, host, _), total, peak, first_rank in zip(rows, sums, maxima, ranks[0].tolist(), strict=True):
             get = dict(zip(names, total, strict=True))
-            row = {k: v for k, v in host.items() if k not in self.HOST and k != "loss_tokens"}
+            row = {k: v for k, v in host.items() if k not in (*self.HOST, "loss_tokens", "pair_means")}
+            row.update({name: get[name] / host["pairs"] for name in means})
             row.update(loss=get["loss_sum"] / host["loss_tokens"], grad_norm=first_rank[names.index("grad_norm")],
                        tokens=int(get["tokens"]), computed_tokens=int(get["computed_tokens"]),
                        tokens_per_s=tokens / window_s,
@@ -182,6 +188,8 @@ def progress_line(step: int, max_steps: int, metrics: dict, eta_s: float | None)
     if metrics.get("mfu") is not None:
         parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
     parts.append(f"peak mem {metrics['peak_mem_gb']:.2f} GiB")
+    if "rewards/accuracies" in metrics:
+        parts.append(f"reward acc {metrics['rewards/accuracies']:.2f} margin {metrics['rewards/margins']:.3f}")
     if metrics.get("eval_loss") is not None:
         parts.append(f"eval_loss {metrics['eval_loss']:.4f} ({metrics['eval_s']:.1f}s)")
     if metrics.get("skipped_steps"):

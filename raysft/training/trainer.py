@@ -38,7 +38,8 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
-from raysft.parallel.collectives import from_rank0
+from raysft.model.preference_loss import REWARD_METRICS, install_sequence_nll
+from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.parallel.fsdp import parallelize
 from raysft.parallel.layout import ParallelDims, gather_node_ranks
 from raysft.parallel.sequence import model_batch
@@ -52,6 +53,8 @@ from raysft.training.metrics import (
     training_flops,
 )
 from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
+from raysft.training.preference import PreferenceStep
+from raysft.training.reference import compute_reference, read_reference, reference_file, write_reference
 from raysft.training.step_guard import StepGuard
 
 
@@ -120,7 +123,10 @@ class Trainer:
         self.peak_tflops = peak_tflops(ctx.device, cfg.parallel.mixed_precision)
         parallelize(self.model, self.mesh, cfg.parallel, self.sequence_group)
         materialize(self.model, torch.device("cpu") if cfg.parallel.cpu_offload else ctx.device)
-        if t.loss_chunk_tokens:
+        dpo = t.objective == "dpo"
+        if dpo:
+            install_sequence_nll(self.model, t.loss_chunk_tokens)
+        elif t.loss_chunk_tokens:
             install_chunked_loss(self.model, t.loss_chunk_tokens)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -132,13 +138,22 @@ class Trainer:
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
                                          preemption_deadline, stop_requested)
+        self.dataset = TokenizedDataset(store)
         self.memory = self._memory_tier() if cfg.checkpoint.memory_every_n_steps else None
         snapshot = self._newer_snapshot(resume_dir) if self.memory else None
         resuming = resume_dir is not None or snapshot is not None
-        if not resuming or cfg.model.lora.r:  # a LoRA checkpoint holds the adapters, not the frozen base
+        reference = reference_file(store, cfg) if dpo and not cfg.model.lora.r else None
+        # the reference pass needs the starting weights, also on a resume that finds no reference file
+        missing_reference = reference is not None and not all_ranks(reference.is_file())
+        if not resuming or cfg.model.lora.r or missing_reference:  # a LoRA checkpoint holds the adapters
             fallback = load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             if fallback:  # pretrained weights through rank 0's memory: say why, where the run's events are
                 self.log.event("weights_from_rank0", path=cfg.model.path, reason=fallback)
+        self.preference = None
+        if dpo:
+            self.preference = PreferenceStep(cfg, self.dataset, self._reference(reference, missing_reference),
+                                             self.shard.dp_rank, self.shard.dp_size, ctx.device,
+                                             self.tokenizer.pad_token_id)
         if snapshot is not None:
             self.state, held = self.memory.restore(*snapshot)
             self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in held]
@@ -149,11 +164,29 @@ class Trainer:
         else:
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
             self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
-        self.log.open_trackers(cfg, self.state.step if resume_dir is not None else None)
+        self.log.open_trackers(cfg, self.state.step if resuming else None)
         self.evaluator = Evaluator(eval_store, cfg, self.shard, ctx.device,
                                    self.tokenizer.pad_token_id) if eval_store else None
-        self.dataset = TokenizedDataset(store)
-        self.sampler = GlobalBatchSampler(len(self.dataset), t.global_batch_size, self.state.cursor)
+        num_samples = self.preference.num_pairs if self.preference else len(self.dataset)
+        self.sampler = GlobalBatchSampler(num_samples, t.global_batch_size, self.state.cursor)
+
+    def _reference(self, path: Path | None, missing: bool) -> torch.Tensor | None:
+        """Collective when `missing`: the reference log-probabilities of every store row, computed by a pass of the
+        starting model and written beside the store; else read from there (None with LoRA: adapters off)."""
+        if path is None:
+            return None
+        if missing:
+            start = time.perf_counter()
+            logps = compute_reference(self.model, self.dataset, self.cfg, self.ctx.rank, self.ctx.world_size,
+                                      self.ctx.device, self.tokenizer.pad_token_id)
+            if self.ctx.rank == 0:
+                write_reference(path, logps, path.parent.parent, self.cfg)
+            torch.distributed.barrier()
+            self.log.event("reference_logps", file=str(path), rows=len(logps),
+                           seconds=round(time.perf_counter() - start, 3))
+            return logps
+        self.log.event("reference_logps", file=str(path), reused=True)
+        return read_reference(path, len(self.dataset))
 
     def _memory_tier(self) -> MemoryTier:
         """Collective: the memory tier of this run on this worker's node. Under HYBRID_SHARD and NO_SHARD the
@@ -223,9 +256,14 @@ class Trainer:
         """One optimizer step over one global batch: forward/backward per micro-batch, clip, step unless the step
         guard skips it on every rank (raysft.training.step_guard: its decision is the step's one wait for the
         device); the metrics are kept until `reduce_metrics` (now, by default)."""
-        t, ctx = self.cfg.train, self.ctx
+        ctx = self.ctx
         start = time.time()
         global_batch = self.sampler.next_batch()
+        if self.preference is not None:
+            pairs = self.preference.forward_backward(
+                self.model, global_batch, lambda loss: self.scaler.scale(loss * ctx.world_size).backward())
+            return self._optimizer_step(start, pairs.loss, 1, pairs.lengths, pairs.computed_tokens, reduce_metrics,
+                                        dict(zip(REWARD_METRICS, pairs.reward_sums, strict=True)), len(global_batch))
         # Normalize by the assistant tokens of the whole global batch, so the gradient is the same for any
         # split into workers, micro-batches and sequence slices (FSDP averages gradients over every worker,
         # sequence groups included: hence × world size).
@@ -240,6 +278,13 @@ class Trainer:
             ce = micro_batch_loss_sum(self.model, batch)
             self.scaler.scale(ce * ctx.world_size / loss_tokens).backward()
             loss_sum += ce.detach()
+        return self._optimizer_step(start, loss_sum, loss_tokens, lengths, computed, reduce_metrics)
+
+    def _optimizer_step(self, start: float, loss_sum: torch.Tensor, loss_tokens: int, lengths: list[int],
+                        computed: int, reduce_metrics: bool, pair_sums: dict | None = None, pairs: int = 0) -> dict:
+        """Clip, step unless the step guard skips it, and keep the step's metrics. The step's loss is `loss_sum`
+        summed over the ranks / `loss_tokens` (DPO: the ranks' shares of the mean, / 1)."""
+        t, ctx = self.cfg.train, self.ctx
         loss_scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         with warnings.catch_warnings():  # the scaler's found-inf flag meets DTensor grads: harmless notice
             warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
@@ -267,7 +312,9 @@ class Trainer:
         if skip:
             host["skip_reason"] = skip
             self.log.event("skipped_step", step=self.state.step, reason=skip)
-        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host)
+        if pair_sums:
+            host["pairs"] = pairs
+        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host, pair_sums)
         return self.reduce_metrics() if reduce_metrics else {}
 
     def _micro_batches(self, global_batch):

@@ -1,0 +1,107 @@
+"""The DPO reference: every answer's log-probability under the frozen starting model, computed once by a pass over
+the store before the first step, and kept beside the store.
+
+The file is `<store>/reference/<key>.safetensors` (one float64 per row of the store), where the store's directory
+name is its fingerprint and the key is a hash of the reference model's identity (`reference_identity`). A restart,
+a resume, or another run on the same data and model finds it and computes nothing; no second model is ever held in
+memory. The pass shares the rows over the workers, each computes its share without gradients, and one all-reduce
+gives every worker every row; rank 0 writes the file aside and renames it into place.
+
+A LoRA run needs no pass: its reference is the base with the adapters off (raysft.model.lora.adapters_disabled),
+computed beside each step's forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from raysft.config import TrainConfig
+from raysft.data.dataloader import TokenizedDataset, collate, pair_rows, to_device
+from raysft.errors import CheckpointError
+from raysft.model.preference_loss import sequence_logps
+from raysft.model.seeded_init import INIT_SCHEME
+from raysft.training.preference import pair_batch
+
+REFERENCE_DIR = "reference"
+
+
+def reference_identity(cfg: TrainConfig) -> dict:
+    """What the reference log-probabilities depend on besides the store: the starting weights (a model directory's
+    path and its weight files' names, sizes and modification times; a from-scratch model's preset and seed) and
+    the compute dtype. A model directory rewritten in place gets new times, hence a new pass."""
+    identity: dict = {"mixed_precision": cfg.parallel.mixed_precision}
+    if cfg.model.path:
+        root = Path(cfg.model.path).expanduser().resolve()
+        files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
+        identity["path"] = str(root)
+        identity["files"] = [[p.name, (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
+    else:
+        identity.update(config=cfg.model.config, seed=cfg.train.seed, init=INIT_SCHEME)
+    return identity
+
+
+def reference_file(store: Path, cfg: TrainConfig) -> Path:
+    key = hashlib.sha256(json.dumps(reference_identity(cfg), sort_keys=True).encode()).hexdigest()[:20]
+    return store / REFERENCE_DIR / f"{key}.safetensors"
+
+
+def read_reference(path: Path, rows: int) -> torch.Tensor:
+    """The stored log-probabilities, one per row of the store (float64)."""
+    try:
+        logps = load_file(path)["logps"]
+    except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+        raise CheckpointError(f"{path}: cannot read the reference log-probabilities: {e}; delete it to compute "
+                              "them again") from e
+    if logps.shape != (rows,):
+        raise CheckpointError(f"{path}: {tuple(logps.shape)} reference log-probabilities for a store of {rows} "
+                              "rows; delete it to compute them again")
+    return logps
+
+
+def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig, rank: int, world_size: int,
+                      device: torch.device, pad_id: int) -> torch.Tensor:
+    """Collective: every row's answer log-probability under `model` as it is now, without gradients, the model
+    in eval mode and the RNG states put back afterwards. Each rank takes pairs rank, rank + W, ... in micro-batches
+    of train.micro_batch_size pairs; a rank with fewer runs its first one again (FSDP needs as many forwards
+    everywhere) and drops the result."""
+    pairs = np.arange(len(dataset) // 2)
+    per = cfg.train.micro_batch_size
+    shares = [pairs[r::world_size] for r in range(world_size)]
+    mine = [shares[rank][i : i + per] for i in range(0, len(shares[rank]), per)]
+    most = max(-(-len(s) // per) for s in shares)
+    logps = torch.zeros(len(dataset), dtype=torch.float64, device=device)
+    cpu_rng = torch.get_rng_state()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(most):
+                part = mine[i] if i < len(mine) else shares[rank][:1] if len(shares[rank]) else pairs[:1]
+                rows = pair_rows(part)
+                batch = pair_batch(collate(dataset, rows, pad_id, cfg.data.packing))
+                values = sequence_logps(model, to_device(batch, device), len(rows))
+                if i < len(mine):
+                    logps[torch.as_tensor(rows, device=device)] = values.double()
+        dist.all_reduce(logps)
+    finally:
+        model.train(was_training)
+        torch.set_rng_state(cpu_rng)
+    return logps.cpu()
+
+
+def write_reference(path: Path, logps: torch.Tensor, store: Path, cfg: TrainConfig) -> None:
+    """Rank 0: the file, written aside and renamed, with what it was computed from in its metadata."""
+    path.parent.mkdir(exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    save_file({"logps": logps.contiguous()}, part, metadata={"store": store.name,
+                                                              "model": json.dumps(reference_identity(cfg))})
+    os.replace(part, path)

@@ -1,0 +1,197 @@
+"""DPO on raysft's rails without Ray: preference records in each format into pair rows labelled on the answers only,
+the named refusals, stores that never mix with SFT's, the per-sequence log-probabilities of a packed row, exact
+resume with the reference log-probabilities reused, and LoRA's reference (the adapters off). The comparison with
+TRL: tests/test_dpo_trl.py."""
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+import raysft
+from raysft.checkpoint import checkpoint_dirs
+from raysft.config import DataConfig, ModelConfig
+from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
+from raysft.data.conversation import BadRecord
+from raysft.data.dataloader import TokenizedDataset, collate, pair_rows
+from raysft.data.preference import label_pair, to_pair
+from raysft.data.tokenizer import load_tokenizer
+from raysft.errors import DataError
+from raysft.launch.torchrun import launch
+from raysft.model.preference_loss import pair_losses, sequence_loss_inputs
+from raysft.training.metrics import read_metrics
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(ModelConfig(), "auto")
+
+
+def answer_text(tok, row) -> str:
+    return tok.decode([t for t in row.labels if t != IGNORE_INDEX])
+
+
+QUESTION, RIGHT, WRONG = "What is 2 plus 2?", "2 plus 2 is 4.", "2 plus 2 is 5."
+FORMATS = {
+    "trl plain text": {"prompt": QUESTION, "chosen": RIGHT, "rejected": WRONG},
+    "trl conversational": {"prompt": [{"role": "user", "content": QUESTION}],
+                           "chosen": [{"role": "assistant", "content": RIGHT}],
+                           "rejected": [{"role": "assistant", "content": WRONG}]},
+    "ultrafeedback": {"prompt": QUESTION, "chosen": [{"role": "user", "content": QUESTION},
+                                                     {"role": "assistant", "content": RIGHT}],
+                      "rejected": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": WRONG}]},
+    "hh-rlhf text": {"chosen": f"\n\nHuman: {QUESTION}\n\nAssistant: {RIGHT}",
+                     "rejected": f"\n\nHuman: {QUESTION}\n\nAssistant: {WRONG}"},
+    "sharegpt full": {"chosen": [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": RIGHT}],
+                      "rejected": [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": WRONG}]},
+}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_format_renders_one_prompt_and_labels_only_the_answers(tok, name):
+    chosen, rejected = label_pair(tok, to_pair(FORMATS[name]), 512)
+    assert answer_text(tok, chosen) == RIGHT + "<|end|>" and answer_text(tok, rejected) == WRONG + "<|end|>"
+    first = chosen.labels.index(next(t for t in chosen.labels if t != IGNORE_INDEX))
+    assert tok.decode(chosen.input_ids[:first]) == f"<|user|>\n{QUESTION}<|end|>\n<|assistant|>\n"
+    assert chosen.input_ids[:first] == rejected.input_ids[:first]
+
+
+def test_a_multi_turn_prompt_keeps_its_assistant_turns_unlabelled(tok):
+    history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": QUESTION}]
+    chosen, rejected = label_pair(tok, to_pair({"chosen": [*history, {"role": "assistant", "content": RIGHT}],
+                                                "rejected": [*history, {"role": "assistant", "content": WRONG}]}), 512)
+    assert answer_text(tok, chosen) == RIGHT + "<|end|>" and answer_text(tok, rejected) == WRONG + "<|end|>"
+
+
+@pytest.mark.parametrize(("record", "reason"), [
+    ({"prompt": QUESTION, "chosen": RIGHT, "rejected": RIGHT}, "identical_answers"),
+    ({"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": RIGHT}],
+      "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": WRONG}]}, "prompt_mismatch"),
+    ({"prompt": QUESTION, "chosen": RIGHT * 40, "rejected": WRONG}, "answer_truncated"),
+    ({"prompt": QUESTION, "chosen": RIGHT}, "bad_structure"),
+    ({"chosen": "Human: hi", "rejected": "Human: ho"}, "bad_structure"),
+])
+def test_bad_pairs_are_refused_by_name(tok, record, reason):
+    with pytest.raises(BadRecord) as e:
+        label_pair(tok, to_pair(record), 96)
+    assert e.value.reason == reason
+
+
+def test_a_prompt_the_template_renders_differently_per_answer_is_refused(tok):
+    """A template that shows the answer's length in the header (it inspects the answer): the prompts differ."""
+    import copy
+
+    odd = copy.copy(tok)
+    odd.chat_template = tok.chat_template.replace("{{ '<|assistant|>\\n' }}{% generation %}",
+                                                  "{{ '<|assistant|>' ~ (m['content'] | length) ~ '\\n' }}"
+                                                  "{% generation %}")
+    assert odd.chat_template != tok.chat_template
+    with pytest.raises(BadRecord) as e:
+        label_pair(odd, to_pair({"prompt": QUESTION, "chosen": RIGHT, "rejected": WRONG + "!!"}), 512)
+    assert e.value.reason == "prompt_mismatch"
+
+
+def test_the_store_holds_pairs_counts_skips_and_never_mixes_with_sft(tmp_path, tok):
+    records = [FORMATS["trl plain text"], {"prompt": QUESTION, "chosen": RIGHT, "rejected": RIGHT},
+               FORMATS["hh-rlhf text"]]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = DataConfig(paths=[str(path)], max_seq_len=96)
+    with pytest.raises(DataError, match=r"pairs.jsonl: record 1: the chosen and the rejected answer are the same"):
+        prepare_store(cfg, tok, tmp_path / "stores", objective="dpo")
+    cfg.on_bad_record = "skip"
+    store = prepare_store(cfg, tok, tmp_path / "stores", objective="dpo").path
+    table = read_store(store).to_pylist()
+    assert [(r["record"], r["chosen"]) for r in table] == [(0, True), (0, False), (2, True), (2, False)]
+    counts = read_manifest(store)["counts"]
+    assert counts["pairs"] == 2 and counts["skipped"] == {"identical_answers": 1}
+    # the objective is part of the fingerprint: the same files read as SFT conversations are another store (and
+    # these records are no conversations)
+    assert read_manifest(store)["key"]["objective"] == "dpo"
+    with pytest.raises(DataError, match="skipped with data.on_bad_record=skip: 3 bad_structure"):
+        prepare_store(DataConfig(paths=[str(path)], max_seq_len=96, on_bad_record="skip"), tok, tmp_path / "stores")
+
+
+def test_packed_pairs_are_separate_samples_and_their_log_probs_are_the_padded_ones(tmp_path, tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    store = prepare_store(DataConfig(paths=["builtin:demo-preferences"], max_seq_len=96), tok, tmp_path,
+                          objective="dpo").path
+    dataset = TokenizedDataset(store)
+    rows = pair_rows([3, 0])
+    assert rows.tolist() == [6, 7, 0, 1]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=len(tok))).eval()
+
+    def logps(batch):
+        inputs = sequence_loss_inputs(batch.pop("labels"), batch.get("cu_seq_lens_q"))
+        logits = model(**batch, use_cache=False).logits.flatten(0, 1).index_select(0, inputs["loss_positions"])
+        nll = torch.nn.functional.cross_entropy(logits, inputs["loss_targets"], reduction="none")
+        return -torch.zeros(len(rows)).index_add(0, inputs["loss_sequence"], nll)
+
+    packed = collate(dataset, rows, tok.pad_token_id, packing=True)
+    assert packed["cu_seq_lens_q"].numel() == len(rows) + 1  # each answer its own sample of the row
+    padded = logps(collate(dataset, rows, tok.pad_token_id))
+    assert torch.allclose(logps(packed), padded, atol=1e-5)
+    assert (padded < 0).all()
+
+
+def test_pair_losses_are_dpo_and_ipo():
+    from raysft.config import DpoConfig
+
+    c, r, rc, rr = (torch.tensor([v]) for v in (-3.0, -5.0, -4.0, -4.5))
+    n = torch.tensor([2.0])
+    dpo = pair_losses(c, r, rc, rr, n, n * 2, DpoConfig(beta=0.5))
+    assert dpo.item() == pytest.approx(-torch.nn.functional.logsigmoid(torch.tensor(0.5 * (1.0 + 0.5))).item())
+    ipo = pair_losses(c, r, rc, rr, n, n * 2, DpoConfig(beta=0.5, loss="ipo"))
+    assert ipo.item() == pytest.approx((1.0 / 2 - (-0.5) / 4 - 1.0) ** 2)
+
+
+def dpo_config(tmp_path, name, **sets):
+    return tiny_config(tmp_path, **{"train.objective": "dpo", "data.paths": "[builtin:demo-preferences]",
+                                    "train.max_steps": 6, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+                                    "train.lr": 1e-3, "checkpoint.every_n_steps": 3, "checkpoint.mode": "full",
+                                    "train.log_every_n_steps": 100, "run.name": name, **sets})
+
+
+def final_weights(run_dir, out):
+    raysft.export(checkpoint_dirs(run_dir)[-1], out)
+    return load_file(out / "model.safetensors")
+
+
+def test_a_dpo_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool):
+    whole = dpo_config(tmp_path, "whole")
+    gloo_pool.run(launch, whole)
+    for stop in (3, 0):
+        gloo_pool.run(launch, dpo_config(tmp_path, "resumed", **{"train.stop_at_step": stop}))
+        if stop:  # a resume that finds no reference file computes it again from the starting weights
+            [reference] = whole.store_dir.glob("*/reference/*.safetensors")
+            reference.unlink()
+    resumed = dpo_config(tmp_path, "resumed")
+    rows = {run: [m for m in read_metrics(cfg.run_dir) if "loss" in m] for run, cfg in (("w", whole), ("r", resumed))}
+    keys = ["step", "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"]
+    assert [[m[k] for k in keys] for m in rows["w"]] == [[m[k] for k in keys] for m in rows["r"]]
+    events = [m for m in read_metrics(resumed.run_dir) if m.get("event") == "reference_logps"]
+    # the first run on this store and model made the file, the first leg reused it, the second made it again
+    assert [e.get("reused", False) for e in events] == [True, False]
+    a, b = final_weights(whole.run_dir, tmp_path / "a"), final_weights(resumed.run_dir, tmp_path / "b")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert rows["w"][0]["rewards/margins"] == 0.0 != rows["w"][-1]["rewards/margins"]  # the reference's step 1
+
+
+def test_lora_dpo_takes_the_base_with_adapters_off_as_its_reference(tmp_path, gloo_pool):
+    pytest.importorskip("peft")
+    cfg = dpo_config(tmp_path, "lora", **{"model.lora.r": 4, "train.max_steps": 3, "train.lr": 1e-2})
+    gloo_pool.run(launch, cfg)
+    records = read_metrics(cfg.run_dir)
+    steps = [m for m in records if "loss" in m]
+    assert not [m for m in records if m.get("event") == "reference_logps"]  # no pass, no file
+    assert not list(cfg.store_dir.glob("*/reference/*"))
+    # B = 0 at the start: the adapted model is its base, so step 1's rewards are exactly 0
+    assert steps[0]["rewards/chosen"] == steps[0]["rewards/rejected"] == 0.0 and steps[0]["loss"] == \
+        pytest.approx(0.693147, abs=1e-6)
+    assert steps[-1]["rewards/margins"] != 0.0
