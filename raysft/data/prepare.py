@@ -68,7 +68,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     on_ray = use_ray(cfg.prepare, sum(s.bytes for s in sources))
     # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.
     try:
-        with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file()) as tmp:
+        with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file(), reclaim=True) as tmp:
             counts = (tokenize_on_ray if on_ray else _tokenize_here)(cfg, tokenizer, sources, tmp, split)
             manifest = {
                 "fingerprint": fingerprint,
