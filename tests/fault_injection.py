@@ -6,6 +6,8 @@ it. A test arms a fault by writing `<name>.json` into the directory in $RAYSFT_F
 
   pause_in_save  {"step": s}    rank 0 writes its part of the step-s checkpoint, then writes `paused.json` (its
                                 pid and the part's directory) and sleeps: the test kills it in the middle of a save
+  exit_before_report {"step": s}  rank 0 exits once the step-s checkpoint is complete in the run directory, before
+                                it reports it to Ray: Ray never registers that checkpoint, and the run resumes from it
   disk_full      {"step": s}    rank 0's write of model.safetensors at step s fails with ENOSPC
   slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed)
 """
@@ -65,11 +67,10 @@ def _peek(name: str, step: int) -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches the Checkpointer's module and raysft.training.trainer as they are imported, before anything binds their
-    names."""
+    """Patches the modules in PATCHES as they are imported, before anything binds their names."""
 
     def find_spec(self, name, path, target=None):
-        if name not in ("raysft.checkpoint.checkpointer", "raysft.training.trainer"):
+        if name not in PATCHES:
             return None
         sys.meta_path.remove(self)
         try:
@@ -80,7 +81,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             execute(module)
-            (_patch_checkpoint if name == "raysft.checkpoint.checkpointer" else _patch_trainer)(module)
+            PATCHES[name](module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
@@ -131,3 +132,20 @@ def _patch_trainer(module) -> None:
         return train_step(self, *args, **kwargs)
 
     module.Trainer.train_step = slow_train_step
+
+
+def _patch_ray_worker(module) -> None:
+    register_with_ray = module.register_with_ray
+
+    def exit_before_report(final, metrics):
+        params = _take("exit_before_report", once=False)
+        if final is not None and params and final.name == f"checkpoint_{params['step']:08d}":
+            _take("exit_before_report")
+            os._exit(1)
+        return register_with_ray(final, metrics)
+
+    module.register_with_ray = exit_before_report
+
+
+PATCHES = {"raysft.checkpoint.checkpointer": _patch_checkpoint, "raysft.training.trainer": _patch_trainer,
+           "raysft.launch.ray_worker": _patch_ray_worker}
