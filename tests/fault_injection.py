@@ -9,7 +9,8 @@ it. A test arms a fault by writing `<name>.json` into the directory in $RAYSFT_F
   exit_before_report {"step": s}  rank 0 exits once the step-s checkpoint is complete in the run directory, before
                                 it reports it to Ray: Ray never registers that checkpoint, and the run resumes from it
   disk_full      {"step": s}    rank 0's write of model.safetensors at step s fails with ENOSPC
-  slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed)
+  slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed); the first one
+                                slowed writes `slowed`
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ def arm(faults_dir: Path, name: str, **params) -> None:
 
 def install() -> None:
     if os.environ.get(FAULTS_ENV):
-        sys.meta_path.insert(0, _PatchOnImport())
+        install_patches()
         _tick_the_autoscaling_coordinator_often()
+
+
+def install_patches() -> None:
+    """The patches alone, for every Python process of a `raysft train` command (tests/test_signals.py puts a
+    sitecustomize calling this on its PYTHONPATH when $RAYSFT_FAULTS_DIR is set)."""
+    sys.meta_path.insert(0, _PatchOnImport())
 
 
 # Ray Train's elastic policy sizes the worker group from Ray Data's AutoscalingCoordinator, which refreshes its view
@@ -128,6 +135,7 @@ def _patch_trainer(module) -> None:
     def slow_train_step(self, *args, **kwargs):
         slow = _take("slow_steps", once=False)
         if slow:
+            (Path(os.environ[FAULTS_ENV]) / "slowed").touch()
             time.sleep(slow["seconds"])
         return train_step(self, *args, **kwargs)
 

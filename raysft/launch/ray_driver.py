@@ -37,6 +37,9 @@ from raysft.storage import location
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
 START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
+# How long the stop request may take to reach the StopFlag actor (milliseconds on a live cluster): after a signal to
+# the whole job, Ray's own processes are gone and it never does.
+STOP_REQUEST_TIMEOUT_S = 10.0
 # Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off
 # the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
 # directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
@@ -92,7 +95,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
     fatal_file = location(config.run_dir) / FATAL_ERROR_FILE
     fatal_file.delete()
-    signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: ray.get(stop_flag.request.remote()))
+    signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: request_stop(stop_flag))
     try:
         result = signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
     except ControllerError as e:
@@ -127,6 +130,16 @@ def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:
 @ray.remote(num_cpus=0, max_retries=0)
 def _remove_run_snapshots(memory_dir: str, run_id: str) -> None:
     remove_run(memory_dir, run_id)
+
+
+def request_stop(stop_flag) -> None:
+    """Raise the StopFlag; a RuntimeError saying why not when Ray does not take the request in time."""
+    try:
+        ray.get(stop_flag.request.remote(), timeout=STOP_REQUEST_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as e:
+        raise RuntimeError(f"Ray did not take the request within {STOP_REQUEST_TIMEOUT_S:g} s ({type(e).__name__}): "
+                           "its own processes got the signal too, as from a signal to the whole job, or are "
+                           "gone") from e
 
 
 @ray.remote(num_cpus=0)
