@@ -510,6 +510,7 @@ def test_a_prepare_killed_mid_build_leaves_a_directory_the_next_prepare_removes(
     built = prepare_store(DataConfig(paths=[str(data)]), tok, store)
     assert not leftover.exists() and all(d.is_dir() for d in theirs)  # only raysft's own build directories
     assert not built.reused and read_manifest(built.path)["counts"]["samples"] == 3
+    assert sorted(p.name for p in store.iterdir()) == sorted([built.path.name, "building", *(d.name for d in theirs)])
 
 
 def test_two_prepares_of_one_store_at_once_never_remove_each_others_build(tmp_path, tok):
@@ -521,4 +522,5 @@ def test_two_prepares_of_one_store_at_once_never_remove_each_others_build(tmp_pa
     (store / "go").touch()
     out, _ = child.communicate(timeout=120)
     assert child.returncode == 0 and out.strip() == "True"  # it found the same store finished first: reused
-    assert not theirs.exists() and sorted(p.name for p in store.iterdir() if p.is_dir()) == [mine.path.name]
+    assert not theirs.exists() and sorted(p.name for p in store.iterdir() if p.name not in ("building", "go")) == \
+        [mine.path.name]  # no build directory and no lock file left
