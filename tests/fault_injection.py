@@ -6,8 +6,11 @@ it. A test arms a fault by writing `<name>.json` into the directory in $RAYSFT_F
 
   pause_in_save  {"step": s}    rank 0 writes its part of the step-s checkpoint, then writes `paused.json` (its
                                 pid and the part's directory) and sleeps: the test kills it in the middle of a save
+  exit_before_report {"step": s}  rank 0 exits once the step-s checkpoint is complete in the run directory, before
+                                it reports it to Ray: Ray never registers that checkpoint, and the run resumes from it
   disk_full      {"step": s}    rank 0's write of model.safetensors at step s fails with ENOSPC
-  slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed)
+  slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed); the first one
+                                slowed writes `slowed`
 """
 
 from __future__ import annotations
@@ -30,8 +33,14 @@ def arm(faults_dir: Path, name: str, **params) -> None:
 
 def install() -> None:
     if os.environ.get(FAULTS_ENV):
-        sys.meta_path.insert(0, _PatchOnImport())
+        install_patches()
         _tick_the_autoscaling_coordinator_often()
+
+
+def install_patches() -> None:
+    """The patches alone, for every Python process of a `raysft train` command (tests/test_signals.py puts a
+    sitecustomize calling this on its PYTHONPATH when $RAYSFT_FAULTS_DIR is set)."""
+    sys.meta_path.insert(0, _PatchOnImport())
 
 
 # Ray Train's elastic policy sizes the worker group from Ray Data's AutoscalingCoordinator, which refreshes its view
@@ -65,11 +74,10 @@ def _peek(name: str, step: int) -> bool:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches the Checkpointer's module and raysft.training.trainer as they are imported, before anything binds their
-    names."""
+    """Patches the modules in PATCHES as they are imported, before anything binds their names."""
 
     def find_spec(self, name, path, target=None):
-        if name not in ("raysft.checkpoint.checkpointer", "raysft.training.trainer"):
+        if name not in PATCHES:
             return None
         sys.meta_path.remove(self)
         try:
@@ -80,7 +88,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             execute(module)
-            (_patch_checkpoint if name == "raysft.checkpoint.checkpointer" else _patch_trainer)(module)
+            PATCHES[name](module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
@@ -127,7 +135,25 @@ def _patch_trainer(module) -> None:
     def slow_train_step(self, *args, **kwargs):
         slow = _take("slow_steps", once=False)
         if slow:
+            (Path(os.environ[FAULTS_ENV]) / "slowed").touch()
             time.sleep(slow["seconds"])
         return train_step(self, *args, **kwargs)
 
     module.Trainer.train_step = slow_train_step
+
+
+def _patch_ray_worker(module) -> None:
+    register_with_ray = module.register_with_ray
+
+    def exit_before_report(final, metrics):
+        params = _take("exit_before_report", once=False)
+        if final is not None and params and final.name == f"checkpoint_{params['step']:08d}":
+            _take("exit_before_report")
+            os._exit(1)
+        return register_with_ray(final, metrics)
+
+    module.register_with_ray = exit_before_report
+
+
+PATCHES = {"raysft.checkpoint.checkpointer": _patch_checkpoint, "raysft.training.trainer": _patch_trainer,
+           "raysft.launch.ray_worker": _patch_ray_worker}

@@ -1,6 +1,10 @@
 import json
 import re
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -454,3 +458,69 @@ def test_data_with_nothing_to_learn_is_a_data_error_naming_the_files_and_why(tmp
             prepare_store(cfg, tok, tmp_path / prepare)
         assert str(e.value) == f"no record of {path} has anything to learn: {why}"
         assert not any((tmp_path / prepare).iterdir())
+
+
+BUILD_IN_A_CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+import raysft.data.prepare as prepare
+from raysft.config import DataConfig, ModelConfig
+from raysft.data.tokenizer import load_tokenizer
+
+data, store, how = sys.argv[1:]
+tokenize = prepare._tokenize_here
+
+def tokenize_then(cfg, tok, sources, out, split):
+    (Path(store) / "building").write_text(str(out))
+    if how == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not (Path(store) / "go").exists():
+        time.sleep(0.05)
+    return tokenize(cfg, tok, sources, out, split)
+
+prepare._tokenize_here = tokenize_then
+print(prepare.prepare_store(DataConfig(paths=[data]), load_tokenizer(ModelConfig()), Path(store)).reused)
+"""
+
+
+def build_in_a_child(data: Path, store: Path, how: str) -> subprocess.Popen:
+    """prepare_store in another process, which stops inside the build (its directory made, in it) and then is
+    killed with SIGKILL ("killed") or waits for a file `go` in the store root ("waits")."""
+    store.mkdir(exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", BUILD_IN_A_CHILD, str(data), str(store), how],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def wait_for_file(path: Path, child: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 120
+    while not path.is_file():
+        assert time.monotonic() < deadline and child.poll() in (None, -signal.SIGKILL), "the child never built"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+def test_a_prepare_killed_mid_build_leaves_a_directory_the_next_prepare_removes(tmp_path, tok):
+    data, store = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 3), tmp_path / "store"
+    child = build_in_a_child(data, store, "killed")
+    leftover = Path(wait_for_file(store / "building", child))
+    assert child.wait(60) == -signal.SIGKILL and leftover.is_dir()  # SIGKILL: nothing ran to remove it
+    theirs = [store / ".not-raysfts", store / f".{leftover.name.split('.')[1]}.kept-by-a-user"]
+    for d in theirs:
+        d.mkdir()
+    built = prepare_store(DataConfig(paths=[str(data)]), tok, store)
+    assert not leftover.exists() and all(d.is_dir() for d in theirs)  # only raysft's own build directories
+    assert not built.reused and read_manifest(built.path)["counts"]["samples"] == 3
+    assert sorted(p.name for p in store.iterdir()) == sorted([built.path.name, "building", *(d.name for d in theirs)])
+
+
+def test_two_prepares_of_one_store_at_once_never_remove_each_others_build(tmp_path, tok):
+    data, store = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 3), tmp_path / "store"
+    child = build_in_a_child(data, store, "waits")
+    theirs = Path(wait_for_file(store / "building", child))
+    mine = prepare_store(DataConfig(paths=[str(data)]), tok, store)  # builds and renames while the child builds
+    assert theirs.is_dir() and not mine.reused
+    (store / "go").touch()
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0 and out.strip() == "True"  # it found the same store finished first: reused
+    assert not theirs.exists() and sorted(p.name for p in store.iterdir() if p.name not in ("building", "go")) == \
+        [mine.path.name]  # no build directory and no lock file left

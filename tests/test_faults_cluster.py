@@ -216,14 +216,20 @@ def test_a_worker_killed_mid_step_resumes_from_the_memory_tier_not_the_last_chec
                    "SIGKILL to one train worker", every=1)
     resume = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume")
     assert resume["tier"] == "memory" and 0 <= row["steps_lost"] <= 2, row
+    # keep=2, whether or not Ray had collected the report of checkpoint 6 before the worker died
+    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ray_tracked(cfg.run_dir) == \
+        ["checkpoint_00000018", "checkpoint_00000024"]
     assert_same_run(cfg, result, ref)
     assert not shm.exists() or not any(shm.iterdir())
 
 
 def test_a_worker_killed_mid_save_leaves_no_checkpoint_that_is_used(tmp_path, nodes, reference, cluster):
+    """Then, after the resume, rank 0 exits once checkpoint 18 is complete but before Ray registers it: the run
+    resumes from 18, registers it, and the directory still ends at checkpoint.keep (Ray alone prunes)."""
     ref = reference(2)
     nodes()
     arm(cluster.faults, "pause_in_save", step=2 * EVERY)
+    arm(cluster.faults, "exit_before_report", step=3 * EVERY)  # reached only after the first resume
     cfg = config(tmp_path, "midsave")
     run = Background(cfg)
     paused = wait_for(lambda: (cluster.faults / "paused.json").is_file() and
@@ -235,9 +241,17 @@ def test_a_worker_killed_mid_save_leaves_no_checkpoint_that_is_used(tmp_path, no
     row = recovery(cfg.run_dir, fault_time, "worker killed mid-save", "SIGKILL to rank 0 inside a checkpoint save")
     assert row["resumed_from"] == EVERY and row["steps_lost"] == EVERY  # the step-12 save never counted
     assert not Path(paused["part"]).exists()  # the relaunched workers cleared the dead save's part
-    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == \
-        ["checkpoint_00000018", "checkpoint_00000024"]  # keep=2 of 6, 12 (saved again after resuming), 18, 24
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [EVERY, 3 * EVERY]
+    # keep=2 of 6, 12 (saved again after resuming), 18 (its report lost), 24; Ray's snapshot names the same two
+    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ray_tracked(cfg.run_dir) == \
+        ["checkpoint_00000018", "checkpoint_00000024"]
     assert_same_run(cfg, result, ref)
+
+
+def ray_tracked(run_dir: Path) -> list[str]:
+    """The checkpoints Ray Train's snapshot of the run names (those it prunes, and needs at the next launch)."""
+    snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+    return sorted(Path(r["checkpoint_dir_name"]).name for r in snapshot["checkpoint_results"])
 
 
 def test_a_full_disk_during_a_save_ends_the_run_without_retrying_and_keeps_the_last_good_checkpoint(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, cli_env, cli_in_process, running
+from fault_injection import arm
 
 from raysft.checkpoint import MANIFEST_FILE
 from raysft.launch.lease import LEASE_FILE
@@ -140,6 +141,90 @@ def test_signals_to_two_local_runs_beside_each_other(tmp_path):
     assert "step 2/" in "".join(raysft_lines(a_out))  # the workers' lines still reach the terminal
 
 
+# Makes every Python process of a `raysft train` command (the driver, its local Ray's workers) load
+# tests/fault_injection.py's patches when $RAYSFT_FAULTS_DIR is set.
+FAULTS_HOOK = ("import os\n"
+               "if os.environ.get('RAYSFT_FAULTS_DIR'):\n"
+               "    import fault_injection\n"
+               "    fault_injection.install_patches()\n")
+
+
+def with_faults(env: dict, tmp_path: Path) -> tuple[dict, Path]:
+    """env for a `raysft train` whose workers take faults armed in the returned directory."""
+    from fault_injection import FAULTS_ENV
+
+    hook, faults = tmp_path / "hook", tmp_path / "faults"
+    hook.mkdir()
+    faults.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULTS_HOOK)
+    path = os.pathsep.join(p for p in (str(hook), str(REPO / "tests"), env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, FAULTS_ENV: str(faults)}, faults
+
+
+def newest_checkpoint(run_dir: Path) -> int:
+    return max(int(p.name.split("_")[1]) for p in run_dir.glob("checkpoint_*") if (p / MANIFEST_FILE).is_file())
+
+
+def test_sigterm_to_the_whole_job_then_a_grace_that_expires_end_in_time_and_leave_nothing(tmp_path):
+    """First launch: SIGTERM to its whole process group, the driver, the local Ray it started and the workers at
+    once (as Slurm's scancel or some container runtimes send it). Ray's processes end on it, so no worker can
+    checkpoint: the driver exits 143 well within run.stop_grace_s, says why there is no checkpoint and how to
+    resume, and leaves no process or lease. The relaunch resumes from the newest checkpoint taken before. Its
+    workers then cannot checkpoint in time (a step made to take 10 minutes: tests/fault_injection.py's
+    slow_steps), and SIGTERM to its driver with run.stop_grace_s=5 ends it with 143 once the grace has passed,
+    saying so, and leaving no process or lease."""
+    storage, run_dir = tmp_path / "runs", tmp_path / "runs" / "c"
+    with cli_env() as env:
+        env, faults = with_faults(env, tmp_path)
+        launch = start_train(tmp_path, "c", env, storage, **{"scaling.num_workers": 1, "checkpoint.every_n_steps": 2})
+        try:
+            wait_for_step(run_dir, launch, 3)
+            sent = time.monotonic()
+            os.killpg(launch.pid, signal.SIGTERM)
+            assert launch.wait(timeout=120) == EXIT_SIGTERM
+            whole_job_took = time.monotonic() - sent
+            whole_job = [(tmp_path / f).read_text() for f in ("c.out", "c.err")]
+            before = newest_checkpoint(run_dir)  # taken before the signal: none is taken at it
+
+            launch = start_train(tmp_path, "c", env, storage, **{"scaling.num_workers": 1,
+                                                                 "checkpoint.every_n_steps": 2, "run.stop_grace_s": 5})
+            wait_for(lambda: trained_since_resume(run_dir), launch, "a step after the resume")
+            arm(faults, "slow_steps", seconds=600)
+            wait_for(lambda: (faults / "slowed").exists(), launch, "a slowed step")
+            sent = time.monotonic()
+            launch.send_signal(signal.SIGTERM)
+            assert launch.wait(timeout=120) == EXIT_SIGTERM
+            grace_took = time.monotonic() - sent
+            grace = [(tmp_path / f).read_text() for f in ("c.out", "c.err")]
+        finally:
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+    assert whole_job_took < 40, whole_job_took  # the stop request's timeout and Ray's shutdown, not the grace of 60 s
+    assert "raysft: stopped by SIGTERM (the workers could not be asked to checkpoint: Ray did not take the request" \
+           in whole_job[1] and "no checkpoint was taken" in whole_job[1], whole_job[1][-3000:]
+    assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resume"] == [before]
+    assert 5 <= grace_took < 40, grace_took
+    assert "raysft: stopped by SIGTERM (the workers did not checkpoint within run.stop_grace_s=5); no checkpoint " \
+           "was taken at the stop" in grace[1], grace[1][-3000:]
+    for out, err in (whole_job, grace):
+        assert "run the same command again" in err and "Traceback" not in out + err, err[-3000:]
+        assert local_ray_gone(out) == []
+    assert not (run_dir / LEASE_FILE).exists()
+
+
+def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 420) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None and time.monotonic() < deadline, f"no {what} ({proc.returncode})"
+        time.sleep(0.2)
+
+
+def trained_since_resume(run_dir: Path) -> bool:
+    records = read_metrics(run_dir)
+    resumes = [i for i, m in enumerate(records) if m.get("event") == "resume"]
+    return bool(resumes) and any("loss" in m for m in records[resumes[-1]:])
+
+
 def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_exits(tmp_path):
     """torchrun's agent forwards SIGTERM to both ranks; they agree on one step, checkpoint it and exit 143."""
     import psutil
@@ -194,6 +279,41 @@ def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctr
     thread.start()
     thread.join(60)
     assert box == ["ran"]
+
+
+def test_the_driver_keeps_to_its_grace_when_the_stop_request_hangs_or_fails_or_ray_fails_after_it():
+    """After a signal to the whole job, Ray's own processes are gone: the stop request to the workers never returns
+    or fails, and Ray's fit fails. The driver still stops as SIGTERM says, without a checkpoint, in time."""
+    import threading
+
+    def stopped_by_sigterm(on_term, fn, grace_s=1.0) -> tuple[Stopped, float]:
+        threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        with pytest.raises(Stopped) as stop:
+            DriverSignals(grace_s, on_term).run(fn)
+        assert not stop.value.checkpointed and stop.value.exit_code == EXIT_SIGTERM
+        return stop.value, time.monotonic() - start
+
+    try:
+        stop, took = stopped_by_sigterm(lambda: threading.Event().wait(60), lambda: time.sleep(60))
+        assert took < 10 and "did not checkpoint within run.stop_grace_s=1" in str(stop)
+
+        def refused():
+            raise RuntimeError("Ray did not take the request")
+
+        stop, took = stopped_by_sigterm(refused, lambda: time.sleep(60), grace_s=60)
+        assert took < 10 and str(stop) == "the workers could not be asked to checkpoint: Ray did not take the request"
+
+        def fit_fails_once_asked():
+            asked.wait(60)
+            raise ConnectionError("the controller is gone\nand a long story")
+
+        asked = threading.Event()
+        stop, took = stopped_by_sigterm(lambda: asked.set() or threading.Event().wait(60), fit_fails_once_asked, 60)
+        assert took < 10 and str(stop) == "the run failed after the signal: ConnectionError: the controller is gone"
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_a_second_ctrl_c_ends_the_process_at_once():

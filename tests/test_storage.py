@@ -30,7 +30,7 @@ from raysft.data.tokenizer import load_tokenizer
 from raysft.launch import lease as lease_module
 from raysft.launch.lease import LEASE_FILE, RunInUse, RunLease
 from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
-from raysft.launch.ray_worker import FATAL_ERROR_FILE, ray_worker_context
+from raysft.launch.ray_worker import RUN_ENDING_PREFIX, ray_worker_context
 from raysft.storage import Location, location
 from raysft.training.metrics import MetricsLogger, read_metrics
 from raysft.training.trainer import Trainer
@@ -242,7 +242,7 @@ def test_a_run_on_s3_checkpoints_into_the_bucket_and_resumes_from_it_like_an_uni
     assert set((run_dir / "checkpoint_00000003").files()) == {*files, MANIFEST_FILE}
     assert "model.safetensors" in (run_dir / "checkpoint_00000006").files()
     assert all(incomplete_reason(d, checksums=True) is None for d in checkpoint_dirs(run_dir))
-    assert (run_dir / RUN_FILE).is_file() and not (run_dir / FATAL_ERROR_FILE).exists()
+    assert (run_dir / RUN_FILE).is_file() and not any(f.name.startswith(RUN_ENDING_PREFIX) for f in run_dir.children())
     assert runs.result.checkpoint.filesystem.type_name == "s3"
     assert runs.result.checkpoint.path == f"{BUCKET}/e2e/runs/remote/checkpoint_00000008"
 
@@ -302,13 +302,14 @@ def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downlo
 
 def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix):
     """HYBRID_SHARD without parallel.hsdp_shard_size on one host (one Ray node, or logical nodes sharing its IP):
-    the workers refuse the layout, naming the fix; rank 0 leaves the error in raysft_error.json on s3://, and the
-    driver raises it instead of Ray retrying."""
+    the workers refuse the layout, naming the fix; each leaves the error in raysft_error.<rank>.json on s3://, and
+    the driver raises it instead of Ray retrying."""
     cfg = s3_config(tmp_path, prefix, **{"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
                                          "train.micro_batch_size": 2, "train.global_batch_size": 8})
     with pytest.raises(ConfigError, match="HYBRID_SHARD on one node .*node 0: 4.* set parallel.hsdp_shard_size"):
         raysft.train(cfg)
-    assert json.loads((cfg.run_dir / FATAL_ERROR_FILE).read_text())["type"] == "ConfigError"
+    records = [json.loads(f.read_text()) for f in cfg.run_dir.children() if f.name.startswith(RUN_ENDING_PREFIX)]
+    assert records and all(r["type"] == "ConfigError" for r in records)
     with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):
         raysft.export(f"{cfg.run_dir}/checkpoint_00000001", tmp_path / "never")
 

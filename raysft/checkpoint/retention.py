@@ -5,6 +5,12 @@ newest: Ray's own rule for `CheckpointConfig(num_to_keep=N, checkpoint_score_att
 checkpoint_score_order="min")`, which prunes the checkpoints it registers. Without Ray raysft prunes by the same
 rule (`prune`, called by the sinks), so a run's directory looks the same either way. A checkpoint's eval loss is
 the one recorded in its trainer_state.json; one that was not validated ranks last.
+
+Under Ray, Ray alone deletes: its snapshot of the checkpoints it tracks must name only directories that exist, or
+the next launch of the run fails. A report dies with a worker killed before Ray collected it, and Ray never tracks
+(so never deletes) that checkpoint; raysft resumes from it all the same. `unregistered` names those for the
+relaunch to register, so Ray's retention covers every complete checkpoint of the run and the directory converges
+to what checkpoint.keep (or keep_best) keeps.
 """
 
 from __future__ import annotations
@@ -57,6 +63,19 @@ def prune(run_dir: Path | Location, keep: int, keep_best: int = 0) -> None:
     for old in to_prune(complete_checkpoints(run_dir), keep, keep_best):
         with contextlib.suppress(OSError):
             location(old).fs.delete_dir(location(old).path)
+
+
+def unregistered(run_dir: Path | Location, resume_dir: Path | Location | None,
+                 registered_latest: str | None) -> list:
+    """The complete checkpoints, oldest first, that are newer (by name, which sorts by step) than
+    `registered_latest`, the name of the latest checkpoint Ray registered (None: none), up to and including
+    `resume_dir`, the one a launch resumes from. Ray registers in the order of the saves, so these were never
+    registered: their reports died with a worker. None when Ray's latest is the one resumed from or newer (a newer
+    one that is incomplete is Ray's to prune)."""
+    if resume_dir is None or (registered_latest is not None and registered_latest >= resume_dir.name):
+        return []
+    return [c for c in complete_checkpoints(run_dir)
+            if (registered_latest is None or c.name > registered_latest) and c.name <= resume_dir.name]
 
 
 def select_checkpoint(path: str | object, which: str = "latest") -> Location | object:

@@ -80,7 +80,8 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     on_ray = objective == "sft" and use_ray(cfg.prepare, sum(s.bytes for s in sources))
     # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.
     try:
-        with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file()) as tmp:
+        with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file(),
+                                reclaim=True) as tmp:
             if on_ray:
                 counts = tokenize_on_ray(cfg, tokenizer, sources, tmp, split)
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 
 import ray
@@ -44,6 +45,9 @@ from raysft.storage import Location, location
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
 START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
+# How long the stop request may take to reach the StopFlag actor (milliseconds on a live cluster): after a signal to
+# the whole job, Ray's own processes are gone and it never does.
+STOP_REQUEST_TIMEOUT_S = 10.0
 # Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off
 # the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
 # directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
@@ -96,7 +100,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
     clear_run_ending_records(config.run_dir)
-    signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: ray.get(stop_flag.request.remote()))
+    signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: request_stop(stop_flag))
     try:
         return signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
     except ControllerError as e:
@@ -134,21 +138,42 @@ class EndRunOnRecordedError(UserCallback):
 
 
 def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:
-    """The memory tier's snapshots of the run (raysft.checkpoint.memory), on every node Ray has alive: they are
-    of no use once the run ended, and node-local shared memory is not freed by anyone else."""
-    run_id = read_run_id(config.run_dir)
-    on_node = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in ray.nodes() if node["Alive"]]
-    tasks = [_remove_run_snapshots.options(scheduling_strategy=strategy).remote(config.checkpoint.memory_dir, run_id)
-             for strategy in on_node]
-    _, unfinished = ray.wait(tasks, num_returns=len(tasks), timeout=timeout_s)
-    if unfinished:
-        print(f"raysft: warning: {len(unfinished)} node(s) did not remove the run's snapshots from "
-              f"{config.checkpoint.memory_dir}/{run_id} within {timeout_s:g} s", file=sys.stderr)
+    """The memory tier's snapshots of the run (raysft.checkpoint.memory): of no use once the run ended, and
+    node-local shared memory is freed by nobody else. This host's go at once; the other nodes' through a task on
+    each node Ray has alive, in a thread the driver waits for at most timeout_s (after a signal to the whole job
+    Ray itself may be gone, and a call into it would not return)."""
+    try:
+        run_id = read_run_id(config.run_dir)
+    except (OSError, ValueError):
+        return  # no record of the run: nothing of it was snapshotted
+    remove_run(config.checkpoint.memory_dir, run_id)
+
+    def on_every_node() -> None:
+        on_node = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in ray.nodes() if n["Alive"]]
+        ray.get([_remove_run_snapshots.options(scheduling_strategy=s).remote(config.checkpoint.memory_dir, run_id)
+                 for s in on_node])
+
+    worker = threading.Thread(target=on_every_node, name="raysft-remove-snapshots", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        print(f"raysft: warning: the run's snapshots in {config.checkpoint.memory_dir}/{run_id} may be left on "
+              f"other nodes: Ray did not answer within {timeout_s:g} s", file=sys.stderr)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _remove_run_snapshots(memory_dir: str, run_id: str) -> None:
     remove_run(memory_dir, run_id)
+
+
+def request_stop(stop_flag) -> None:
+    """Raise the StopFlag; a RuntimeError saying why not when Ray does not take the request in time."""
+    try:
+        ray.get(stop_flag.request.remote(), timeout=STOP_REQUEST_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as e:
+        raise RuntimeError(f"Ray did not take the request within {STOP_REQUEST_TIMEOUT_S:g} s ({type(e).__name__}): "
+                           "its own processes got the signal too, as from a signal to the whole job, or are "
+                           "gone") from e
 
 
 @ray.remote(num_cpus=0)

@@ -22,6 +22,7 @@ from ray.train import Checkpoint
 from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from raysft.checkpoint import (
+    STATE_FILE,
     DirectorySink,
     ScratchSink,
     Sink,
@@ -30,8 +31,10 @@ from raysft.checkpoint import (
     existing_checkpoint_names,
     scratch_root,
 )
+from raysft.checkpoint.retention import eval_loss, unregistered
 from raysft.config import TrainConfig, config_from_dict
 from raysft.errors import ends_the_run, run_ending_type
+from raysft.parallel.collectives import from_rank0
 from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
@@ -49,8 +52,10 @@ def train_worker(loop_config: dict) -> None:
         clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
     try:
         eval_store = loop_config.get("eval_store")
-        _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
-                       stop_requested(loop_config["stop_flag"], worker.rank)).train()
+        trainer = _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
+                                 stop_requested(loop_config["stop_flag"], worker.rank))
+        register_lost_checkpoints(cfg, trainer.resume_dir, worker.rank)
+        trainer.train()
     except Exception as e:
         if ends_the_run(e):  # the driver's EndRunOnRecordedError sees the record and ends the run, no restart
             record_run_ending(cfg.run_dir, worker.rank, e)
@@ -177,6 +182,30 @@ def register_with_ray(final: Path | None, metrics: dict) -> None:
     if final is not None:
         checkpoint = Checkpoint(str(final), filesystem=ray.train.get_context().get_storage().storage_filesystem)
     ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def register_lost_checkpoints(cfg: TrainConfig, resume_dir: Path | None, rank: int) -> None:
+    """Collective: register with Ray, in order, the complete checkpoints whose reports died with a worker, the one
+    resumed from last (checkpoint.retention.unregistered), so that Ray, the one deleter under Ray, prunes them
+    too. Each with the step and eval loss recorded in it."""
+    latest = ray.train.get_checkpoint()
+
+    def lost() -> list[tuple[str, dict]]:
+        found = unregistered(cfg.run_dir, resume_dir, Path(latest.path).name if latest else None)
+        return [(location(c).path, recorded_metrics(c, cfg.checkpoint.keep_best > 0)) for c in found]
+
+    storage = ray.train.get_context().get_storage().storage_filesystem
+    for path, metrics in from_rank0(lost):
+        checkpoint = Checkpoint(path, filesystem=storage) if rank == 0 else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+
+def recorded_metrics(ckpt, scored: bool) -> dict:
+    """The step and eval loss a checkpoint's trainer_state.json records, as its commit reported them."""
+    metrics = {"step": json.loads((location(ckpt) / STATE_FILE).read_text())["step"]}
+    if (loss := eval_loss(ckpt)) is not None:
+        metrics[EVAL_SCORE] = loss
+    return scored_metrics(metrics, scored)
 
 
 def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset()) -> None:

@@ -8,6 +8,11 @@ within seconds without a new checkpoint, and a second Ctrl-C ends the process at
 Under Ray the driver gets the signal and the workers do not: the driver raises a flag in a small actor that rank 0
 asks at the loop's notice checks. Under torchrun every rank gets SIGTERM from torchrun's agent, and the ranks agree
 on the step to stop at in the same check.
+
+A signal to the whole job (Slurm's scancel, a container runtime signalling the process group) also reaches the
+local Ray the driver started, and its workers: they end at once, and no checkpoint can be taken. The driver then
+does not wait out Ray's client (which ends the process with an error a minute later): the stop request fails or
+times out, and the driver exits 143 saying that no checkpoint was taken; the run resumes from its last one.
 """
 
 from __future__ import annotations
@@ -64,15 +69,17 @@ class DriverSignals:
 
     `run(fn)` runs fn in a thread and waits for it in the main thread, where the handlers run (Ray Train would
     otherwise take SIGINT for itself, and Ray's SIGTERM handler exits the driver mid-call). On SIGTERM, `on_term()`
-    asks the workers to checkpoint and stop; fn's return is then raised as Stopped(checkpointed=True), or, if fn has
-    not returned within `grace_s`, Stopped(checkpointed=False). On a first Ctrl-C, Stopped at once; on a second one
-    the process ends where it is."""
+    asks the workers to checkpoint and stop, in a thread of its own so the grace counts even if it hangs; fn's
+    return is then raised as Stopped(checkpointed=True), or, if fn has not returned within `grace_s`, if on_term
+    raised, or if fn raised after the signal, Stopped(checkpointed=False). On a first Ctrl-C, Stopped at once; on a
+    second one the process ends where it is."""
 
     def __init__(self, grace_s: float, on_term: Callable[[], None]):
         self.grace_s, self.on_term = grace_s, on_term
         self.term_at: float | None = None
         self.interrupts = 0
         self._previous: dict[int, object] = {}
+        self._asked: dict = {}  # "asked": on_term returned; "failed": what it raised
 
     def _handle(self, signum: int, frame) -> None:
         if signum == signal.SIGTERM:
@@ -86,38 +93,59 @@ class DriverSignals:
         if threading.current_thread() is not threading.main_thread():
             return fn()  # only the main thread gets signals (a driver run from a thread leaves them to its caller)
         box: dict = {}
-
-        def target() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as e:  # noqa: BLE001 - raised in the main thread below
-                box["error"] = e
-
-        thread = threading.Thread(target=target, name="raysft-fit", daemon=True)
+        thread = threading.Thread(target=_into(box, "value", "error", fn), name="raysft-fit", daemon=True)
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
         try:
             thread.start()
-            asked = False
-            while thread.is_alive():
-                thread.join(0.2)
-                if self.interrupts:
-                    raise Stopped(signal.SIGINT, checkpointed=False)
-                if self.term_at is not None and not asked:
-                    asked = True
-                    self.on_term()
-                if self.term_at is not None and time.monotonic() - self.term_at > self.grace_s:
-                    raise Stopped(signal.SIGTERM, checkpointed=False,
-                                  detail=f"the workers did not checkpoint within run.stop_grace_s={self.grace_s:g}")
+            self._wait(thread)
         finally:
             if self.term_at is None and not self.interrupts:  # else a second Ctrl-C during the shutdown still counts
                 for signum, previous in self._previous.items():
                     signal.signal(signum, previous)
         if "error" in box:
+            if self.term_at is not None:  # failed after the signal: Ray's own processes may have had it too
+                raise Stopped(signal.SIGTERM, checkpointed=False,
+                              detail=f"the run failed after the signal: {_first_line(box['error'])}") from box["error"]
             raise box["error"]
         if self.term_at is not None:
             raise Stopped(signal.SIGTERM, checkpointed=True, result=box["value"])
         return box["value"]
+
+    def _wait(self, thread: threading.Thread) -> None:
+        """Wait for `thread` in the main thread; on SIGTERM, ask for the stop in another thread (Ray may be gone:
+        a signal to the whole job reaches its processes too), so the grace still counts."""
+        asking = None
+        while thread.is_alive():
+            thread.join(0.2)
+            if self.interrupts:
+                raise Stopped(signal.SIGINT, checkpointed=False)
+            if self.term_at is not None and asking is None:
+                asking = threading.Thread(target=_into(self._asked, "asked", "failed", self.on_term),
+                                          name="raysft-stop-request", daemon=True)
+                asking.start()
+            if "failed" in self._asked:
+                raise Stopped(signal.SIGTERM, checkpointed=False,
+                              detail=f"the workers could not be asked to checkpoint: {self._asked['failed']}")
+            if self.term_at is not None and time.monotonic() - self.term_at > self.grace_s:
+                raise Stopped(signal.SIGTERM, checkpointed=False,
+                              detail=f"the workers did not checkpoint within run.stop_grace_s={self.grace_s:g}")
+
+
+def _into(box: dict, value_key: str, error_key: str, fn: Callable[[], T]) -> Callable[[], None]:
+    """fn, as a thread's target: its return value or its exception into `box`."""
+    def target() -> None:
+        try:
+            box[value_key] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread
+            box[error_key] = e
+
+    return target
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 class WorkerSignals:

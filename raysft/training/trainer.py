@@ -103,7 +103,7 @@ class Trainer:
                  ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None,
                  eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg, self.ctx = cfg, ctx
-        self.sink = sink
+        self.sink, self.resume_dir = sink, resume_dir
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.

@@ -1,0 +1,115 @@
+"""Which checkpoints stay in a run directory under Ray: Ray Train's own checkpoint manager (in this process, no
+cluster) prunes what it tracks; a checkpoint whose report died with a worker is registered when the run resumes
+(raysft.launch.ray_worker.register_lost_checkpoints), so the directory converges to checkpoint.keep (or keep_best)
+however many reports were lost. The same faults through a real Ray: tests/test_faults_cluster.py."""
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+from ray.train import Checkpoint
+from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+from ray.train.v2._internal.execution.storage import StorageContext
+from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+from raysft.checkpoint import STATE_FILE, checkpoint_dirs
+from raysft.checkpoint.manifest import durable_file_list, write_manifest
+from raysft.checkpoint.retention import unregistered
+from raysft.launch.ray_driver import ray_checkpoint_config
+from raysft.launch.ray_worker import recorded_metrics
+
+
+def saved(run_dir: Path, step: int, eval_loss: float | None = None, name: str | None = None) -> Path:
+    """A complete checkpoint of `step` (its trainer state and a manifest), as a DirectorySink commit leaves it."""
+    ckpt = run_dir / (name or f"checkpoint_{step:08d}")
+    ckpt.mkdir(parents=True)
+    (ckpt / STATE_FILE).write_text(json.dumps({"step": step, "eval_loss": eval_loss}))
+    write_manifest(ckpt, step, [durable_file_list(ckpt)])
+    return ckpt
+
+
+class RayRun:
+    """Ray Train's checkpoint manager for a run directory, with the CheckpointConfig raysft's driver gives Ray."""
+
+    def __init__(self, tmp_path: Path, **sets):
+        self.cfg = tiny_config(tmp_path, **sets)
+        self.run_dir = self.cfg.run_dir
+        self.run_dir.mkdir(parents=True)
+        storage = StorageContext(str(self.run_dir.parent), self.run_dir.name)
+        self.manager = asyncio.run(self._in_loop(lambda: CheckpointManager(ray_checkpoint_config(self.cfg), storage)))
+
+    @staticmethod
+    async def _in_loop(call):
+        return call()  # the manager notifies its listeners through the running event loop
+
+    def register(self, ckpt: Path) -> None:
+        report = _TrainingReport(checkpoint=Checkpoint(str(ckpt)), validation=False,
+                                 metrics=recorded_metrics(ckpt, self.cfg.checkpoint.keep_best > 0))
+        asyncio.run(self._in_loop(lambda: self.manager.register_checkpoint(report)))
+
+    def latest(self) -> str | None:
+        result = self.manager.latest_checkpoint_result
+        return Path(result.checkpoint.path).name if result else None
+
+    def resume_from(self, ckpt: Path) -> None:
+        """What a relaunch's workers register before training on from `ckpt`."""
+        for lost in unregistered(self.run_dir, ckpt, self.latest()):
+            self.register(lost)
+
+    def on_disk(self) -> list[str]:
+        return [p.name for p in checkpoint_dirs(self.run_dir)]
+
+    def tracked(self) -> list[str]:
+        snapshot = json.loads((self.run_dir / "checkpoint_manager_snapshot.json").read_text())
+        return sorted(Path(r["checkpoint_dir_name"]).name for r in snapshot["checkpoint_results"])
+
+
+def test_a_checkpoint_whose_report_died_with_a_worker_is_registered_at_resume_and_pruned(tmp_path):
+    """A worker killed after the step-6 save, before Ray collected its report; the run resumes from 6, saves 12,
+    18 and 24 with keep=2. Unregistered, 6 stayed forever (Ray never tracked it)."""
+    run = RayRun(tmp_path, **{"checkpoint.keep": 2})
+    six = saved(run.run_dir, 6)  # its report died with the worker
+    run.resume_from(six)
+    for step in (12, 18, 24):
+        run.register(saved(run.run_dir, step))
+    assert run.on_disk() == run.tracked() == ["checkpoint_00000018", "checkpoint_00000024"]
+
+
+def test_several_lost_reports_are_registered_in_order_and_ray_keeps_only_checkpoint_keep(tmp_path):
+    run = RayRun(tmp_path, **{"checkpoint.keep": 2})
+    run.register(saved(run.run_dir, 3))
+    lost = [saved(run.run_dir, s) for s in (6, 9, 12)]  # reported faster than Ray collected, then the worker died
+    assert unregistered(run.run_dir, lost[-1], run.latest()) == lost
+    run.resume_from(lost[-1])
+    assert run.on_disk() == run.tracked() == ["checkpoint_00000009", "checkpoint_00000012"]
+    assert run.latest() == "checkpoint_00000012"
+    run.register(saved(run.run_dir, 15))
+    assert run.on_disk() == run.tracked() == ["checkpoint_00000012", "checkpoint_00000015"]
+
+
+def test_nothing_is_registered_again_when_ray_has_the_checkpoint_resumed_from_or_a_newer_one(tmp_path):
+    run = RayRun(tmp_path, **{"checkpoint.keep": 3})
+    six, nine = saved(run.run_dir, 6), saved(run.run_dir, 9)
+    run.register(six)
+    run.register(nine)
+    assert unregistered(run.run_dir, nine, run.latest()) == []  # Ray's latest is the one resumed from
+    # Ray's latest cut short (no manifest): the resume takes 6, and 9 is Ray's to prune once newer ones come
+    (nine / "manifest.json").unlink()
+    assert unregistered(run.run_dir, six, run.latest()) == []
+    assert unregistered(run.run_dir, None, None) == []  # a fresh start
+
+
+@pytest.mark.parametrize("lost_loss, kept", [
+    (1.2, ["checkpoint_00000018", "checkpoint_00000024"]),  # the lost one is not the best: it goes
+    (0.5, ["checkpoint_00000012", "checkpoint_00000024"]),  # the lost one is the best: its recorded loss keeps it
+])
+def test_keep_best_ranks_a_registered_lost_checkpoint_by_the_eval_loss_it_recorded(tmp_path, lost_loss, kept):
+    run = RayRun(tmp_path, **{"checkpoint.keep_best": 1, "data.eval_fraction": 0.1})
+    run.register(saved(run.run_dir, 6, eval_loss=1.0))
+    twelve = saved(run.run_dir, 12, eval_loss=lost_loss)
+    run.resume_from(twelve)
+    run.register(saved(run.run_dir, 18, eval_loss=0.9))
+    run.register(saved(run.run_dir, 24, eval_loss=0.95))
+    assert run.on_disk() == run.tracked() == kept
