@@ -47,6 +47,7 @@ from raysft.checkpoint.state import (
     trainer_state_dict,
 )
 from raysft.checkpoint.trainable import state_dict_options
+from raysft.errors import CheckpointError
 from raysft.parallel.collectives import all_ranks
 
 FORMAT = 1
@@ -270,7 +271,8 @@ class MemoryTier:
         for name, target in _flatten(model_sd, optim_sd).items():
             local = target.to_local() if isinstance(target, DTensor) else target
             if name not in tensors or tensors[name].shape != local.shape:
-                raise RuntimeError(f"{path}: {name} does not fit this rank's shard")  # the layout check rules it out
+                raise CheckpointError(f"{path}: {name} does not fit this rank's shard of the model: a snapshot of "
+                                      "another model; launch again with --fresh")
             local.detach().copy_(tensors[name])
         set_state_dict(self.objs.model, self.objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=state_dict_options(self.objs.model))
