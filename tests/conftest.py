@@ -131,6 +131,30 @@ def step_losses(run_dir) -> list[tuple[int, float]]:
     return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
 
 
+def final_weights(run_dir, out: Path) -> dict:
+    """The weights of the run's last checkpoint, as `raysft export` writes them."""
+    from safetensors.torch import load_file
+
+    import raysft
+    from raysft.checkpoint import checkpoint_dirs
+
+    raysft.export(checkpoint_dirs(run_dir)[-1], out)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(gloo_pool, tmp_path_factory):
+    """The checkpoint and resume tests' reference: run_config's STEPS steps in one launch without Ray (full
+    checkpoints): its per-step losses and final weights, which every stopped, faulted or resumed run (under torchrun
+    or Ray, from any tier) must equal float for float."""
+    from raysft.launch.torchrun import launch
+
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
+    gloo_pool.run(launch, cfg)
+    return step_losses(cfg.run_dir), final_weights(cfg.run_dir, tmp / "hf")
+
+
 def run_workers(fn, loop_config: dict, tmp_path, num_workers: int = 2):
     """Run `fn` on a plain TorchTrainer (gloo), for tests that need to look inside the workers."""
     from ray.train import RunConfig, ScalingConfig

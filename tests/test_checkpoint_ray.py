@@ -27,20 +27,6 @@ def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tenso
     return load_file(out / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(gloo_pool, tmp_path_factory):
-    """The reference: 12 steps on 2 workers in one go, without Ray (raysft.run on gloo processes): the same Trainer
-    and collectives, so a run through Ray must match it float for float."""
-    from raysft.launch.torchrun import launch
-
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "auto"})
-    gloo_pool.run(launch, cfg)
-    start = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "start")
-    assert start["checkpoint_mode"] == "full"  # auto: a tiny model's state fits rank 0's memory many times
-    return step_losses(cfg.run_dir), exported_weights(cfg.run_dir / f"checkpoint_{STEPS:08d}", tmp / "hf")
-
-
 def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_for_bit(tmp_path, uninterrupted):
     """Two launches of one run through Ray: sharded with async saves to step 6, then full to the end, resumed from
     the checkpoint Ray registered where the workers wrote it (no copy); the run is the uninterrupted one, float for

@@ -7,11 +7,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config
-from safetensors.torch import load_file
+from conftest import final_weights, tiny_config
 
-import raysft
-from raysft.checkpoint import checkpoint_dirs
 from raysft.config import DataConfig, ModelConfig
 from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
 from raysft.data.conversation import BadRecord
@@ -156,11 +153,6 @@ def dpo_config(tmp_path, name, **sets):
                                     "train.max_steps": 6, "train.global_batch_size": 8, "train.micro_batch_size": 2,
                                     "train.lr": 1e-3, "checkpoint.every_n_steps": 3, "checkpoint.mode": "full",
                                     "train.log_every_n_steps": 100, "run.name": name, **sets})
-
-
-def final_weights(run_dir, out):
-    raysft.export(checkpoint_dirs(run_dir)[-1], out)
-    return load_file(out / "model.safetensors")
 
 
 def test_a_dpo_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool):

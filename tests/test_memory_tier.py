@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import STEPS, run_config, step_losses
-from safetensors.torch import load_file
+from conftest import STEPS, final_weights, run_config, step_losses
 
-import raysft
-from raysft.checkpoint import checkpoint_dirs
 from raysft.checkpoint.discovery import RUN_FILE, read_run_id
 from raysft.launch.torchrun import launch
 from raysft.training.metrics import read_metrics
@@ -50,36 +47,22 @@ def launch_on_own_node(ctx, cfg, fresh: bool = False, die_after: int = 0) -> dic
         Trainer.train_step = real_step
 
 
-def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    raysft.export(checkpoint_dirs(run_dir)[-1], out)
-    return load_file(out / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def reference(gloo_pool, tmp_path_factory):
-    """The uninterrupted run without the memory tier: what every run below must equal, bit for bit."""
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
-    gloo_pool.run(launch, cfg)
-    return step_losses(cfg.run_dir), final_weights(cfg.run_dir, tmp / "hf")
-
-
 def node_dir(cfg, node: str) -> Path:
     return Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir) / node
 
 
-def assert_same_run(cfg, reference, out: Path) -> None:
-    ref_losses, ref_weights = reference
+def assert_same_run(cfg, uninterrupted, out: Path) -> None:
+    ref_losses, ref_weights = uninterrupted
     last = dict(step_losses(cfg.run_dir))  # a step trained twice (before the fault and after) counts once
     assert sorted(last.items()) == ref_losses
     weights = final_weights(cfg.run_dir, out)
     assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
-def test_snapshots_every_step_change_nothing_and_leave_nothing_behind(tmp_path, gloo_pool, reference):
+def test_snapshots_every_step_change_nothing_and_leave_nothing_behind(tmp_path, gloo_pool, uninterrupted):
     cfg = memory_config(tmp_path, "every-step")
     gloo_pool.run(launch_on_own_node, cfg)
-    assert_same_run(cfg, reference, tmp_path / "hf")
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
     assert not any((tmp_path / "shm").iterdir())  # the run ended: its snapshots went with it
     assert json.loads((cfg.run_dir / RUN_FILE).read_text())["run_id"].isalnum()
 
@@ -104,7 +87,7 @@ def continue_copy(faulted, tmp_path: Path, **sets):
 
 
 def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_losing_no_step(
-        tmp_path, gloo_pool, reference, faulted):
+        tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 1 died after step 8; its node's snapshots are gone with it. The relaunch finds step 8 whole (rank 0's
     part on node 0, rank 1's in the copy node 0 received), rank 1 gets its part sent over, and the run goes on
     from step 8 (not from the stored checkpoint of step 6) to the uninterrupted run's losses and weights."""
@@ -117,12 +100,12 @@ def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_lo
     gloo_pool.run(launch_on_own_node, cfg)
     resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
     assert resumes == [{**resumes[0], "step": FAULT_AT, "tier": "memory"}]
-    assert_same_run(cfg, reference, tmp_path / "hf")
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
     assert not (Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir)).exists()
 
 
 def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_log_says_why(
-        tmp_path, gloo_pool, reference, faulted):
+        tmp_path, gloo_pool, uninterrupted, faulted):
     cfg = continue_copy(faulted, tmp_path)
     for node in ("node0", "node1"):  # rank 1's part of every step held: the copy on node 0 and its own
         for path in node_dir(cfg, node).glob("step_*/rank_1.safetensors"):
@@ -136,7 +119,7 @@ def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_l
     not_used = [m for m in records if m.get("event") == "memory_tier_not_used"]
     assert len(not_used) == 1 and not_used[0]["reason"].startswith("no node holds rank 1's part of step")
     assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
-    assert_same_run(cfg, reference, tmp_path / "hf")
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
 def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots(tmp_path, gloo_pool, faulted):

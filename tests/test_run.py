@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, STEPS, run_config, step_losses
-from safetensors.torch import load_file
+from conftest import REPO, STEPS, final_weights, run_config, step_losses
 from transformers import AutoModelForCausalLM
 
 import raysft
@@ -23,19 +22,6 @@ from raysft.data.demo import DEMO_CONVERSATIONS
 from raysft.data.tokenizer import load_tokenizer
 from raysft.launch.torchrun import launch
 from raysft.training.metrics import read_metrics
-
-
-def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    raysft.export(checkpoint_dirs(run_dir)[-1], out)
-    return load_file(out / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(gloo_pool, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
-    gloo_pool.run(launch, cfg)
-    return step_losses(cfg.run_dir), final_weights(cfg.run_dir, tmp / "hf")
 
 
 def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,
