@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p_plan = sub.add_parser("plan", help="print the memory a run needs per worker and per host, and whether it fits "
                                          "(starts nothing)")
+    p_plan.add_argument("--host-mem-gib", type=float, help="host memory of one node, for the memory tier's "
+                                                            "(checkpoint.memory_every_n_steps) count")
     add_config_args(p_plan)
     p_plan.add_argument("--workers", type=int, help="workers (default: scaling.num_workers)")
     p_plan.add_argument("--nodes", type=int, help="nodes the workers are spread on (default: the cluster's GPU "
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt needs --export DIR")
     if args.command == "train" and args.force and not args.export:
         parser.error("--force needs --export DIR")
-    for name in ("workers", "nodes", "gpu_mem_gib", "tokens"):
+    for name in ("workers", "nodes", "gpu_mem_gib", "tokens", "host_mem_gib"):
         if args.command == "plan" and getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.command == "export" and args.max_shard_mb <= 0:
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args.run_dir, args.out)
         config = load_config(args.config, args.overrides)
         if args.command == "plan":
-            return _plan(config, args.workers, args.nodes, args.gpu_mem_gib, args.tokens)
+            return _plan(config, args.workers, args.nodes, args.gpu_mem_gib, args.tokens, args.host_mem_gib)
         if args.command == "prepare":
             return _prepare(config)
         return _train(config, args.fresh, args.export, args.prompt, args.force)
@@ -166,7 +168,7 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
 
 
 def _plan(config: TrainConfig, workers: int | None, nodes: int | None, gpu_mem_gib: float | None,
-          tokens: int | None) -> int:
+          tokens: int | None, host_mem_gib: float | None = None) -> int:
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     shape = model_shape(config, load_model_config(config.model, tokenizer))
     workers = workers or config.scaling.num_workers
@@ -179,7 +181,8 @@ def _plan(config: TrainConfig, workers: int | None, nodes: int | None, gpu_mem_g
     if nodes is None:
         shard = config.parallel.hsdp_shard_size
         nodes = cluster[1] if cluster and cluster[1] else (workers // shard if shard and not workers % shard else 1)
-    print(render(config, plan(config, shape, Topology(workers, nodes, gpu_bytes), tokens)))
+    host_bytes = host_mem_gib * GiB if host_mem_gib else None
+    print(render(config, plan(config, shape, Topology(workers, nodes, gpu_bytes, host_bytes), tokens)))
     return 0
 
 
