@@ -113,11 +113,18 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
 
 def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:
     """The memory tier's snapshots of the run (raysft.checkpoint.memory), on every node Ray has alive: they are
-    of no use once the run ended, and node-local shared memory is not freed by anyone else."""
+    of no use once the run ended, and node-local shared memory is not freed by anyone else. The driver's own host
+    first, at once (every node of a one-host cluster, and a dead node's directory there too); a task on each node
+    of another host, which may wait for a worker process to start."""
     run_id = read_run_id(config.run_dir)
-    on_node = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in ray.nodes() if node["Alive"]]
+    remove_run(config.checkpoint.memory_dir, run_id)
+    here = ray.util.get_node_ip_address()
+    on_node = [NodeAffinitySchedulingStrategy(node["NodeID"], soft=False) for node in ray.nodes()
+               if node["Alive"] and node["NodeManagerAddress"] != here]
     tasks = [_remove_run_snapshots.options(scheduling_strategy=strategy).remote(config.checkpoint.memory_dir, run_id)
              for strategy in on_node]
+    if not tasks:
+        return
     _, unfinished = ray.wait(tasks, num_returns=len(tasks), timeout=timeout_s)
     if unfinished:
         print(f"raysft: warning: {len(unfinished)} node(s) did not remove the run's snapshots from "
