@@ -1,32 +1,52 @@
-"""Recovery time: how long training stands still after one of its workers dies, against how long the same run took
-from launch to its first step, and how many steps the failure cost.
+"""Recovery: how long training stands still after a fault and how many steps it cost, with and without the memory
+tier (checkpoint.memory_every_n_steps: 1), against an uninterrupted run; what the tier costs; and how long a resume
+from a stored checkpoint spends verifying it.
 
     python bench/recovery.py                       # 2 CPU workers, a ~75M-parameter LLaMA, full and sharded
     python bench/recovery.py --modes sharded --repeats 5 --hidden 1024 --layers 16
+    python bench/recovery.py --nodes 2 --workers 4 --modes full --faults worker,node,elastic --tier off,on \
+        --hidden 256 --layers 4 --seq-len 64 --every 4 --repeats 1 --verify-gib 4
 
-Every run trains on one local Ray with Ray Train's own health-check interval, checkpointing every --every steps.
-Two steps after its first checkpoint, one train worker gets SIGKILL mid-step; Ray Train restarts the worker group
-and raysft resumes from the latest checkpoint. From each run's metrics.jsonl:
-  start       raysft.train() called (Ray already up) to the end of step 1: worker group, model, first step
-  recovery    the kill to the end of the first step after resuming: failure detected, workers restarted,
-              model rebuilt, checkpoint loaded, one step
-  steps lost  steps trained after the checkpoint it resumed from
-Runs of the checkpoint modes are interleaved in alternating order, --repeats times each.
+Without --nodes, every run trains on one local Ray with Ray Train's own health-check interval, and one train worker
+gets SIGKILL two steps after the first checkpoint (the "worker" fault). With --nodes N the runs train FULL_SHARD
+on a Ray cluster of N logical nodes on this machine (ray.cluster_utils.Cluster: a head with no CPUs, nodes of
+workers / N CPUs; each has its own Ray node id, which is what the memory tier keeps snapshots apart by), with the
+fault tests' shortened timings (tests/test_faults_cluster.py), and --faults picks among:
+  worker   SIGKILL to one train worker; Ray Train restarts the group
+  node     the last node removed (its raylet and workers killed), a replacement added at once
+  elastic  the last node removed for good, scaling.min_workers = workers - workers / N: the run goes on without it
+Each fault runs with the tier off and on (--tier). From each run's metrics.jsonl:
+  recovery    the fault to the end of the first step after resuming
+  steps lost  steps trained before the fault after the step it resumed from
+  bit-exact   every step's loss and the final weights (of the last full checkpoint: --modes full) equal to
+              the uninterrupted run's (for elastic: the run of
+              N workers stopped at the checkpoint the fault run resumed from and relaunched on the workers left)
+  tier        the tier the resume used, and the memory_tier_not_used reason when it refused a snapshot
+The tier's cost, from two uninterrupted runs (tier off, on): the median step time, and the peak bytes each node's
+snapshots held in checkpoint.memory_dir against `raysft plan`'s count. --verify-gib G: a checkpoint directory of
+G GiB of files with raysft's manifest, verified by rank 0 alone (manifest.incomplete_reason, the others waiting)
+and by every rank its share (discovery.verified_reason), alternately, --repeats times.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 
-from common import Setup, add_model_args, median_span, save_results
+from common import Setup, add_model_args, median_span, save_results, write_rank_result
 
 HEALTH_CHECK_S = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0 (Ray's default)")
+# the fault tests' timings (tests/test_faults_cluster.py), used with --nodes
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
+                 "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
+NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
 
 
 def train_worker_pids() -> list[int]:
@@ -43,20 +63,92 @@ def train_worker_pids() -> list[int]:
     return pids
 
 
-def measure(setup: Setup, mode: str, name: str, every: int) -> dict:
-    import raysft
+def tick_the_autoscaling_coordinator_often() -> None:
+    """A worker_process_setup_hook: Ray Train's elastic policy sizes the group from this coordinator's view of the
+    nodes, refreshed once per tick (as tests/fault_injection.py does)."""
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+
+    coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S = 1
+
+
+class Cluster:
+    """The Ray the runs train on: a local one, or N logical nodes (--nodes) that the node faults remove and add."""
+
+    def __init__(self, args: argparse.Namespace):
+        import ray
+
+        self.args, self.nodes = args, None
+        env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent)])}
+        if not args.nodes:
+            ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": env})
+            return
+        from ray.cluster_utils import Cluster as RayCluster
+
+        os.environ.update(RAY_TRAIN_ENV)
+        self.nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                      "_system_config": NODE_DEATH})
+        for _ in range(args.nodes):
+            self.add_node()
+        ray.init(address=self.nodes.address, log_to_driver=False, runtime_env={
+            "env_vars": {**env, **RAY_TRAIN_ENV},
+            "worker_process_setup_hook": "recovery.tick_the_autoscaling_coordinator_often"})
+
+    def add_node(self) -> None:
+        self.nodes.add_node(num_cpus=self.args.workers // self.args.nodes)
+        self.nodes.wait_for_nodes()
+
+    def settle(self) -> None:
+        """Before a run: every node back, and a tick of the coordinator since (else Ray starts fewer workers)."""
+        import ray
+
+        while len(self.nodes.worker_nodes) < self.args.nodes:
+            self.add_node()
+        while ray.available_resources().get("CPU", 0) < self.args.workers:
+            time.sleep(0.2)
+        time.sleep(2)
+
+    def fault(self, fault: str) -> None:
+        if fault == "worker":
+            os.kill(train_worker_pids()[-1], signal.SIGKILL)
+            return
+        self.nodes.remove_node(next(iter(self.nodes.worker_nodes)), allow_graceful=False)  # any: each holds its share
+        if fault == "node":
+            self.add_node()
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        if self.nodes is not None:
+            self.nodes.shutdown()
+
+
+def steps_of(run_dir: Path) -> list[dict]:
     from raysft.training.metrics import read_metrics
 
-    # log_every_n_steps=1: a metrics row as each step ends (rows wait for a log step), which times the kill
-    cfg = setup.config(f"run.name={name}", f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}",
-                       f"train.max_steps={3 * every}", "train.log_every_n_steps=1", "scaling.max_failures=1",
-                       "train.warmup_steps=1")
+    try:
+        return [m for m in read_metrics(run_dir) if "loss" in m]
+    except (FileNotFoundError, ValueError):
+        return []
 
-    def steps() -> list[dict]:
-        try:
-            return [m for m in read_metrics(cfg.run_dir) if "loss" in m]
-        except (FileNotFoundError, ValueError):
-            return []
+
+def final_losses(run_dir: Path) -> dict[int, float]:
+    """Each step's loss from the pass that counted: a step trained again after a resume replaces the lost one."""
+    return {m["step"]: m["loss"] for m in steps_of(run_dir)}
+
+
+def final_weights(cfg) -> dict:
+    from safetensors.torch import load_file
+
+    from raysft.checkpoint import checkpoint_dirs
+
+    return load_file(checkpoint_dirs(cfg.run_dir)[-1] / "model.safetensors")
+
+
+def train(cluster: Cluster, cfg, fault: str | None = None, at_step: int = 0, sample=None) -> float | None:
+    """raysft.train(cfg) in a thread; with `fault`, injected once step `at_step` is logged. Returns its time."""
+    import raysft
 
     error: list[BaseException] = []
 
@@ -66,27 +158,196 @@ def measure(setup: Setup, mode: str, name: str, every: int) -> dict:
         except BaseException as e:  # noqa: BLE001 - re-raised below
             error.append(e)
 
-    launched = time.time()
+    if cluster.nodes is not None:
+        cluster.settle()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    while max((m["step"] for m in steps()), default=0) < every + 2:
-        if not thread.is_alive():
-            raise RuntimeError(f"{name} ended before the fault") from (error[0] if error else None)
+    fault_time = None
+    while thread.is_alive():
+        if sample is not None:
+            sample()
+        if fault and fault_time is None and max((m["step"] for m in steps_of(cfg.run_dir)), default=0) >= at_step:
+            cluster.fault(fault)
+            fault_time = time.time()
         time.sleep(0.05)
-    victim = train_worker_pids()[-1]
-    os.kill(victim, signal.SIGKILL)
-    killed = time.time()
     thread.join()
     if error:
         raise error[0]
+    return fault_time
+
+
+def same_run(cfg, reference: tuple[dict, dict]) -> bool:
+    import torch
+
+    losses, weights = reference
+    mine = final_weights(cfg)
+    return final_losses(cfg.run_dir) == losses and mine.keys() == weights.keys() and \
+        all(torch.equal(mine[k], weights[k]) for k in mine)
+
+
+def recovery_row(cfg, fault_time: float) -> dict:
+    from raysft.training.metrics import read_metrics
 
     records = read_metrics(cfg.run_dir)
-    resume = next(i for i, m in enumerate(records) if m.get("event") == "resume")
-    first = next(m for m in records if "loss" in m)
+    resume = next(i for i, m in enumerate(records) if m.get("event") == "resume" and m["time"] >= fault_time)
     before = max(m["step"] for m in records[:resume] if "loss" in m)
     after = next(m for m in records[resume:] if "loss" in m)
-    return {"start_s": first["time"] - launched, "recovery_s": after["time"] - killed,
-            "steps_lost": before - records[resume]["step"], "resumed_from": records[resume]["step"]}
+    not_used = [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"]
+    return {"recovery_s": round(after["time"] - fault_time, 1), "resumed_from": records[resume]["step"],
+            "steps_lost": before - records[resume]["step"], "tier": records[resume].get("tier", "stored"),
+            "world_size_after": records[resume]["world_size"], "memory_tier_not_used": not_used}
+
+
+def median_step_s(cfg) -> float:
+    """The median time between consecutive steps' ends, step 1 (compile, warm-up) left out."""
+    times = [m["time"] for m in sorted(steps_of(cfg.run_dir), key=lambda m: m["time"])]
+    return statistics.median(b - a for a, b in zip(times[1:], times[2:], strict=False))
+
+
+class SnapshotBytes:
+    """The most bytes each node's directory of the run's snapshots held, sampled while the run trains."""
+
+    def __init__(self, memory_dir: str):
+        self.root, self.peak = Path(memory_dir), {}
+
+    def __call__(self) -> None:
+        for node in self.root.glob("*/*"):
+            self.peak[node.name] = max(self.peak.get(node.name, 0), sum(map(_size, node.rglob("*"))))
+
+
+def _size(path: Path) -> int:
+    """A file's bytes; 0 for a directory or a file gone (pruned, or renamed from its temporary name) meanwhile."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except FileNotFoundError:
+        return 0
+
+
+def planned_snapshot_bytes(setup: Setup, cfg, args: argparse.Namespace) -> dict:
+    from raysft.tools.plan import Topology, memory_tier_host, model_shape, plan
+
+    result = plan(cfg, model_shape(cfg, setup.model_config), Topology(args.workers, args.nodes or 1))
+    tier = memory_tier_host(cfg, result)
+    return {"staging": tier.terms["staging buffers"], "in_memory_dir": tier.in_memory_dir}
+
+
+def cluster_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster) -> list[dict]:
+    """Per checkpoint mode: the uninterrupted runs (tier off, on), then each fault with the tier off and on."""
+    every, steps = args.every, 3 * args.every
+    at_step = every + 2  # not a multiple of --every: the stored tier loses 2 steps
+    results = []
+    for mode in args.modes.split(","):
+        base = [f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}", f"train.max_steps={steps}",
+                "train.log_every_n_steps=1", "scaling.max_failures=2", "train.warmup_steps=1"]
+        tier_sets = ["checkpoint.memory_every_n_steps=1", f"checkpoint.memory_dir={setup.work / 'shm'}"]
+        faults = [fault for fault in args.faults.split(",") if fault]  # none: the cost and verification only
+        if args.cost or set(faults) - {"elastic"}:
+            plain = setup.config(*base, f"run.name={mode}-uninterrupted")
+            train(cluster, plain)
+            reference = (final_losses(plain.run_dir), final_weights(plain))
+        if args.cost:
+            results.append(cost_leg(args, setup, cluster, base + tier_sets, plain, reference))
+            print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+        shrunk = {}
+        for fault in faults:
+            # elastic: a global batch that every worker count from min_workers up divides
+            extra = [f"scaling.min_workers={args.workers - args.workers // args.nodes}", "train.micro_batch_size=1",
+                     f"train.global_batch_size={math.lcm(*range(1, args.workers + 1))}"] if fault == "elastic" else []
+            for tier in args.tier.split(","):
+                for repeat in range(args.repeats):
+                    cfg = setup.config(*base, *extra, *(tier_sets if tier == "on" else []),
+                                       f"run.name={mode}-{fault}-tier-{tier}-{repeat}")
+                    row = recovery_row(cfg, train(cluster, cfg, fault, at_step))
+                    if fault == "elastic":
+                        key = (row["resumed_from"], row["world_size_after"])
+                        shrunk[key] = shrunk.get(key) or shrink_reference(cluster, setup, base + extra, mode, *key)
+                    row["bit_exact"] = same_run(cfg, shrunk[key] if fault == "elastic" else reference)
+                    results.append({"variant": f"{mode} {fault} tier {tier}", "fault": fault, "tier_on": tier == "on",
+                                    **row})
+                    print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+    return results
+
+
+def cost_leg(args: argparse.Namespace, setup: Setup, cluster: Cluster, sets: list[str], plain, reference) -> dict:
+    """The uninterrupted run with the tier beside the one without: step time, bit-exactness, snapshot bytes."""
+    with_tier = setup.config(*sets, f"run.name={plain.run.name}-tier")
+    held = SnapshotBytes(with_tier.checkpoint.memory_dir)
+    train(cluster, with_tier, sample=held)
+    return {"variant": "cost", "step_s_tier_off": median_step_s(plain), "step_s_tier_on": median_step_s(with_tier),
+            "bit_exact": same_run(with_tier, reference), "snapshot_bytes_peak_per_node": held.peak,
+            "planned_per_node": planned_snapshot_bytes(setup, with_tier, args)}
+
+
+def shrink_reference(cluster: Cluster, setup: Setup, base: list[str], mode: str, step: int, workers: int) -> tuple:
+    """The elastic fault's uninterrupted run: stopped at `step` on every worker, relaunched on `workers`."""
+    name = f"run.name={mode}-shrunk-{step}-{workers}"
+    train(cluster, setup.config(*base, name, f"train.stop_at_step={step}"))
+    cfg = setup.config(*base, name, f"scaling.num_workers={workers}")
+    train(cluster, cfg)
+    return final_losses(cfg.run_dir), final_weights(cfg)
+
+
+def verify_worker(loop: dict) -> None:
+    """A Ray train worker: the checkpoint verified by rank 0 alone (the others waiting in the broadcast) and by every
+    rank its share, alternately."""
+    import ray.train
+    import torch.distributed as dist
+
+    from raysft.checkpoint.discovery import verified_reason
+    from raysft.checkpoint.manifest import incomplete_reason
+    from raysft.parallel.collectives import from_rank0
+
+    path = Path(loop["checkpoint"])
+    ways = {"rank0": lambda: from_rank0(lambda: incomplete_reason(path)), "shared": lambda: verified_reason(path)}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for repeat in range(loop["repeats"]):
+        for way in (ways if repeat % 2 == 0 else dict(reversed(ways.items()))):
+            dist.barrier()
+            began = time.perf_counter()
+            reason = ways[way]()
+            dist.barrier()
+            times[way].append(time.perf_counter() - began)
+            assert reason is None, reason
+    write_rank_result(loop, ray.train.get_context().get_world_rank(), times)
+
+
+def write_checkpoint(directory: Path, gib: float, files: int) -> None:
+    """A checkpoint directory of `gib` GiB in `files` payload files (as a sharded checkpoint's), with raysft's
+    manifest: what a resume verifies (the bytes' values do not change the time to hash them)."""
+    from raysft.checkpoint.manifest import durable_file_list, write_manifest
+
+    directory.mkdir(parents=True)
+    size, block = int(gib * 2**30) // files, os.urandom(1 << 20)
+    for rank in range(files):
+        with (directory / f"__{rank}_0.distcp").open("wb") as f:
+            for _ in range(size >> 20):
+                f.write(block)
+    (directory / ".metadata").write_bytes(os.urandom(4096))
+    write_manifest(directory, 1, [durable_file_list(directory)])
+
+
+def verify_leg(args: argparse.Namespace, setup: Setup, cluster: Cluster) -> dict:
+    cluster.settle()
+    checkpoint = setup.work / "verify" / "checkpoint_00000001"
+    write_checkpoint(checkpoint, args.verify_gib, args.workers)
+    ranks = setup.run(verify_worker, "verify", {"checkpoint": str(checkpoint), "repeats": args.repeats})
+    rank0 = ranks[0]
+    return {"variant": "verification", "gib": args.verify_gib, "ranks": args.workers,
+            "rank0_s": rank0["rank0"], "shared_s": rank0["shared"]}
+
+
+def measure(cluster: Cluster, setup: Setup, mode: str, name: str, every: int) -> dict:
+    """Without --nodes: a worker killed two steps after the first checkpoint, the stored tier only."""
+    # log_every_n_steps=1: a metrics row as each step ends (rows wait for a log step), which times the kill
+    cfg = setup.config(f"run.name={name}", f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}",
+                       f"train.max_steps={3 * every}", "train.log_every_n_steps=1", "scaling.max_failures=1",
+                       "train.warmup_steps=1")
+    launched = time.time()
+    killed = train(cluster, cfg, "worker", every + 2)
+    row = recovery_row(cfg, killed)
+    first = min(m["time"] for m in steps_of(cfg.run_dir))
+    return {"start_s": first - launched, "recovery_s": row["recovery_s"], "steps_lost": row["steps_lost"],
+            "resumed_from": row["resumed_from"]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,29 +356,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="full,sharded")
     parser.add_argument("--every", type=int, default=4, help="checkpoint.every_n_steps")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nodes", type=int, default=0, help="logical Ray nodes (0: one local Ray)")
+    parser.add_argument("--faults", default="worker,node,elastic", help="with --nodes")
+    parser.add_argument("--tier", default="off,on", help="with --nodes: the memory tier off, on, or both")
+    parser.add_argument("--no-cost", dest="cost", action="store_false", help="with --nodes: no uninterrupted run "
+                        "with the tier (its step time, snapshot bytes)")
+    parser.add_argument("--verify-gib", type=float, default=0.0, help="with --nodes: the verification leg's size")
     parser.add_argument("--out", default="runs/bench/recovery.json")
     args = parser.parse_args(argv)
-
-    import ray
+    if args.nodes and args.modes != "full":
+        parser.error("--nodes compares final weights from full checkpoints: --modes full")
 
     setup = Setup(args, "recovery")
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+    cluster = Cluster(args)
+    try:
+        if args.nodes:
+            results = cluster_legs(args, setup, cluster)
+            if args.verify_gib:
+                results.append(verify_leg(args, setup, cluster))
+                print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+            table = nodes_report(results, args, setup.params)
+        else:
+            results = local_legs(args, setup, cluster)
+            table = report(results, args, setup.params)
+    finally:
+        cluster.shutdown()
+    save_results(args.out, args, results, table)
+
+
+def local_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster) -> list[dict]:
+    """Runs of the checkpoint modes interleaved in alternating order, --repeats times each."""
     modes = args.modes.split(",")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for repeat in range(args.repeats):
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
             print(f"bench: {mode}-{repeat} ...", file=sys.stderr, flush=True)
-            runs[mode].append(measure(setup, mode, f"{mode}-{repeat}", args.every))
+            runs[mode].append(measure(cluster, setup, mode, f"{mode}-{repeat}", args.every))
             print(f"bench: {mode}-{repeat}: {runs[mode][-1]}", file=sys.stderr, flush=True)
-    ray.shutdown()
-
     results = []
     for mode in modes:
         start = statistics.median(r["start_s"] for r in runs[mode])
         recovery = statistics.median(r["recovery_s"] for r in runs[mode])
         results.append({"variant": mode, "runs": runs[mode], "start_s": start, "recovery_s": recovery,
                         "recovery_vs_start": recovery / start, "steps_lost": [r["steps_lost"] for r in runs[mode]]})
-    save_results(args.out, args, results, report(results, args, setup.params))
+    return results
 
 
 def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
@@ -131,6 +413,34 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
         start, recovery = (median_span(r["runs"], k, digits=1) for k in ("start_s", "recovery_s"))
         lines.append(f"| {r['variant']} | {start} | {recovery} "
                      f"| {r['recovery_vs_start']:.2f} | {', '.join(map(str, r['steps_lost']))} |")
+    return "\n".join(lines)
+
+
+def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> str:
+    per_node = args.workers // args.nodes
+    lines = [f"{args.workers} CPU workers FULL_SHARD on {args.nodes} logical Ray nodes of {per_node}, LLaMA of "
+             f"{params / 1e6:.1f}M parameters, {3 * args.every} steps, a stored checkpoint every {args.every} steps, "
+             f"the fault at step {args.every + 2}; memory tier every step when on",
+             "", "| fault | tier | resumed from (tier) | steps lost | fault to next step (s) | bit-exact |",
+             "|---|---|---|---:|---:|---|"]
+    for r in results:
+        if "fault" in r:
+            refused = f"; refused: {r['memory_tier_not_used'][0]}" if r["memory_tier_not_used"] else ""
+            lines.append(f"| {r['fault']} | {'on' if r['tier_on'] else 'off'} | {r['resumed_from']} ({r['tier']}"
+                         f"{refused}) | {r['steps_lost']} | {r['recovery_s']} | {'yes' if r['bit_exact'] else 'NO'} |")
+    for r in results:
+        if r["variant"] == "cost":
+            held = ", ".join(f"{v / 2**20:.1f}" for v in r["snapshot_bytes_peak_per_node"].values())
+            lines += ["", f"{r['variant']}: median step {r['step_s_tier_off']:.3f} s without the tier, "
+                          f"{r['step_s_tier_on']:.3f} s with it every step "
+                          f"({r['step_s_tier_on'] / r['step_s_tier_off'] - 1:+.1%}); bit-exact: {r['bit_exact']}; "
+                          f"peak MiB in memory_dir per node: {held} (plan: "
+                          f"{r['planned_per_node']['in_memory_dir'] / 2**20:.1f}, beside "
+                          f"{r['planned_per_node']['staging'] / 2**20:.1f} staged)"]
+        if r["variant"] == "verification":
+            lines += ["", f"verifying a {r['gib']} GiB checkpoint before the first step: rank 0 alone "
+                          f"{', '.join(f'{t:.1f}' for t in r['rank0_s'])} s; shared over {r['ranks']} ranks "
+                          f"{', '.join(f'{t:.1f}' for t in r['shared_s'])} s"]
     return "\n".join(lines)
 
 

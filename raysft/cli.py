@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_chat.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p_plan = sub.add_parser("plan", help="print the memory a run needs per worker and per host, and whether it fits "
                                          "(starts nothing)")
+    p_plan.add_argument("--host-mem-gib", type=_positive(float), help="host memory of one node, for the memory tier's "
+                                                            "(checkpoint.memory_every_n_steps) count")
     add_config_args(p_plan)
     p_plan.add_argument("--model", metavar="NAME|CONFIG", help="the architecture to count: one of "
                         f"{', '.join(KNOWN)}, a config.json or a model directory (default: model.config, or "
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":  # --workers N is scaling.num_workers=N: every check of a launch applies to it
             workers = [f"scaling.num_workers={args.workers}"] if args.workers else []
             return _plan(load_config(args.config, [*args.overrides, *workers]), args.model, args.nodes,
-                         args.gpu_mem_gib, args.tokens)
+                         args.gpu_mem_gib, args.tokens, args.host_mem_gib)
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
             return _prepare(config)
@@ -189,7 +191,7 @@ def _positive(kind: type) -> Callable[[str], int | float]:
 
 
 def _plan(config: TrainConfig, model: str | None, nodes: int | None, gpu_mem_gib: float | None,
-          tokens: int | None) -> int:
+          tokens: int | None, host_mem_gib: float | None = None) -> int:
     """`raysft plan`: the architecture from --model or the config (no weights, no tokenizer), every check a launch
     makes that needs no files or data (raysft.launch.prelaunch.check_architecture besides load_config's), and the
     cluster in RAY_ADDRESS, if any, probed as `raysft train` probes it before anything waits on it."""
@@ -213,7 +215,8 @@ def _plan(config: TrainConfig, model: str | None, nodes: int | None, gpu_mem_gib
     check_hsdp_shard_size_fits_nodes(config.parallel, workers, spread)
     print(f"raysft: architecture from {source}")
     rank0_init = initial_weights_fallback(config, hf_config)
-    result = plan(config, shape, Topology(workers, nodes, gpu_bytes), tokens, rank0_init)
+    host_bytes = host_mem_gib * GiB if host_mem_gib else None
+    result = plan(config, shape, Topology(workers, nodes, gpu_bytes, host_bytes), tokens, rank0_init)
     print(render(config, result))
     return 0
 

@@ -306,6 +306,9 @@ def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_p
 
 
 def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(tmp_path, nodes, reference, cluster):
+    """A node of 4 workers' run lost for good, scaling.min_workers 2: the run goes on on the 2 left, from the stored
+    checkpoint (the memory tier's snapshots, cut for 4 workers, are refused and the log says so), and ends as the
+    run of 4 stopped at that checkpoint and relaunched on 2 would, bit for bit."""
     _, b = nodes(), nodes()
     wait_for(lambda: ray.available_resources().get("CPU", 0) >= 4, 60, "4 free CPUs")  # else Ray starts with fewer
     # Ray Train's elastic policy sizes the group from Ray's AutoscalingCoordinator, which refreshes its view of the
@@ -313,7 +316,9 @@ def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(t
     # (fault_injection makes the tick 1 s in these tests' workers)
     time.sleep(COORDINATOR_TICK_S + 1)
     sets = {"scaling.min_workers": 2, "train.micro_batch_size": 1, "train.global_batch_size": 12}
-    cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, **sets})
+    shm = tmp_path / "shm"  # with the memory tier: its snapshots are cut for 4 workers, refused on 2
+    cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, "checkpoint.memory_every_n_steps": 1,
+                                         "checkpoint.memory_dir": str(shm), **sets})
     run = Background(cfg)
     wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
     cluster.remove_node(b, allow_graceful=False)
@@ -325,6 +330,12 @@ def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(t
     start = next(m for m in records if m.get("event") == "start")
     resume = next(m for m in records if m.get("event") == "resume")
     assert start["world_size"] == 4 and resume["world_size"] == 2
+    # the memory tier refused by name for the layout, and the stored checkpoint used instead
+    not_used = [m for m in records if m.get("event") == "memory_tier_not_used"]
+    assert len(not_used) == 1 and "was cut for 4 workers" in not_used[0]["reason"] and \
+        "this launch has 2" in not_used[0]["reason"], not_used
+    assert "tier" not in resume and Path(resume["checkpoint"]).name == f"checkpoint_{row['resumed_from']:08d}"
+    assert not shm.exists() or not any(shm.iterdir())  # the driver removed every node's snapshots
     assert [s for s, _ in final_losses(cfg.run_dir)] == list(range(1, STEPS + 1))
     assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
     assert Path(result.checkpoint.path).name == f"checkpoint_{STEPS:08d}"

@@ -47,6 +47,25 @@ def launch_on_own_node(ctx, cfg, fresh: bool = False, die_after: int = 0) -> dic
         Trainer.train_step = real_step
 
 
+def launch_counting_held_steps(ctx, cfg, counts: Path) -> dict:
+    """launch_on_own_node, noting in `counts` how many steps the rank's node holds once each snapshot has landed
+    (its own part written, its partner's copy received): what the tier's host memory is planned on."""
+    from raysft.checkpoint.memory import STEP_PREFIX, MemoryTier
+
+    real_exchange = MemoryTier._exchange
+
+    def exchange(self, *args) -> None:
+        real_exchange(self, *args)
+        with counts.open("a") as f:
+            f.write(f"{sum(p.name.startswith(STEP_PREFIX) for p in self.dir.iterdir())}\n")
+
+    MemoryTier._exchange = exchange
+    try:
+        return launch_on_own_node(ctx, cfg)
+    finally:
+        MemoryTier._exchange = real_exchange
+
+
 def node_dir(cfg, node: str) -> Path:
     return Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir) / node
 
@@ -60,8 +79,13 @@ def assert_same_run(cfg, uninterrupted, out: Path) -> None:
 
 
 def test_snapshots_every_step_change_nothing_and_leave_nothing_behind(tmp_path, gloo_pool, uninterrupted):
+    """...and a node never holds more than 2 steps (its own parts and its partner's copies), the newest whole one
+    included while the next is written: `raysft plan` counts the tier's host memory on that."""
     cfg = memory_config(tmp_path, "every-step")
-    gloo_pool.run(launch_on_own_node, cfg)
+    counts = tmp_path / "held_steps.txt"
+    gloo_pool.run(launch_counting_held_steps, cfg, counts)
+    held = [int(n) for n in counts.read_text().split()]
+    assert len(held) >= 2 * 3 and max(held) == 2, held  # on both ranks, 3 snapshots or more
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
     assert not any((tmp_path / "shm").iterdir())  # the run ended: its snapshots went with it
     assert json.loads((cfg.run_dir / RUN_FILE).read_text())["run_id"].isalnum()

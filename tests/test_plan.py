@@ -303,3 +303,49 @@ def test_plan_counts_rank_0s_whole_model_load_only_where_a_launch_takes_it(tmp_p
         assert ("rank 0 loads model.path whole and broadcasts it: 20 of the model's tensors are not in the files "
                 "under their names") in out.stdout
         assert result.init_host_bytes == 4 * shape.params
+
+
+@pytest.mark.parametrize(("sharding", "nodes", "copies"),
+                         [("FULL_SHARD", 2, True), ("SHARD_GRAD_OP", 2, True), ("FULL_SHARD", 1, False),
+                          ("HYBRID_SHARD", 2, False), ("NO_SHARD", 2, False)])
+def test_the_memory_tier_counts_staging_two_snapshots_and_a_partners_two_only_without_a_replica(sharding, nodes,
+                                                                                                  copies):
+    """Per node of 2 workers, b a worker's part of the state (its shards of the weights and AdamW state): b each
+    staged, 2 own snapshots and, when no replica on another node holds the same shards, 2 of the partner's
+    (raysft.checkpoint.memory keeps 2 steps, tests/test_memory_tier.py holds it to that); and the verdicts against
+    the host memory and /dev/shm's default half of it."""
+    from raysft.tools.plan import memory_tier_host, render
+
+    small = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1000)
+    cfg = load_config(None, ["model.tokenizer=builtin:demo", f"parallel.sharding={sharding}",
+                             "scaling.num_workers=4", "checkpoint.memory_every_n_steps=1"])
+    shape = model_shape(cfg, small)
+    result = plan(cfg, shape, Topology(4, nodes))
+    part = 12 * shape.params / result.shard_group  # fp32 weights and AdamW's two moments, this worker's shards
+    tier = memory_tier_host(cfg, result)
+    assert tier.workers == 4 // nodes
+    assert tier.terms == {"staging buffers": tier.workers * part, "own snapshots": 2 * tier.workers * part,
+                          "partner copies": 2 * tier.workers * part if copies else 0.0}
+    assert "fits: unknown (give --host-mem-gib)" in render(cfg, result)
+
+    def verdicts(host: float) -> list[str]:
+        lines = render(cfg, plan(cfg, shape, Topology(4, nodes, host_mem_bytes=host))).splitlines()
+        return [line.split(": ")[-1].split(" ")[0] for line in lines if line.startswith("  fits ") and "host" in line]
+
+    total, shm = tier.total, tier.in_memory_dir
+    assert verdicts(2 * shm) == ["yes", "yes"]
+    assert verdicts(total * 0.99) == ["NO", "NO"]
+    assert verdicts(total * 1.01) == ["yes", "NO"]  # in host memory, but /dev/shm is half of it
+
+
+def test_the_memory_tier_of_a_lora_run_counts_the_adapters_only():
+    """A LoRA snapshot holds what trains (raysft.checkpoint.trainable): the adapters and their AdamW state."""
+    from raysft.tools.plan import memory_tier_host
+
+    small = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1000)
+    cfg = load_config(None, ["model.tokenizer=builtin:demo", "model.lora.r=8", "scaling.num_workers=2"])
+    shape = model_shape(cfg, small)
+    tier = memory_tier_host(cfg, plan(cfg, shape, Topology(2, 2)))
+    assert tier.terms["staging buffers"] == 12 * shape.trainable / 2

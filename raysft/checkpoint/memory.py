@@ -12,7 +12,9 @@ usable only when every rank's file of it is found, on some node.
 
 The copy off the node: once its file is written, each rank sends it to its partner, the rank of the same place on
 the next node, over a gloo group of the tier's own, in the tier's background thread (a bounded rate if set); the
-partner keeps it beside its own. Under HYBRID_SHARD a rank's replica on another node holds the same shards, so no
+partner keeps it beside its own. Files are sent from and received into their mapped pages, so a copy costs no
+buffer of its size in the process; a node keeps its newest 2 steps, the older removed before the next is written
+(what `raysft plan` counts). Under HYBRID_SHARD a rank's replica on another node holds the same shards, so no
 copy is sent: the replica's file stands in for it (only the RNG state differs, and every file carries every
 rank's).
 
@@ -164,10 +166,10 @@ class MemoryTier:
                         event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()
+        self._prune(self.keep - 1)  # the newest whole step stays while this one is written: `keep` steps at most
         path = self._file(step, self.rank)
         _write(path, tensors, header)
         self._exchange(step, path)
-        self._prune(step)
 
     def _file(self, step: int, rank: int) -> Path:
         return self.dir / f"{STEP_PREFIX}{step:08d}" / f"rank_{rank}.safetensors"
@@ -178,10 +180,11 @@ class MemoryTier:
         snapshots are agreed collectively), so the sends and receives pair up."""
         if self.send_to is None:
             return
-        data = _read_bytes(path)
+        data = _map(path)
         sizes = torch.tensor([data.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         _pair(sizes[0], self.send_to, sizes[1], self.recv_from, self.group)
-        received = torch.empty(int(sizes[1]), dtype=torch.uint8)
+        target = self._file(step, self.recv_from)
+        received = _map_new(target, int(sizes[1]))
         chunk = 64 << 20
         for start in range(0, max(data.numel(), received.numel()), chunk):
             began = time.monotonic()
@@ -189,12 +192,13 @@ class MemoryTier:
             if self.copy_mb_per_s:
                 sent = min(chunk, max(0, data.numel() - start))
                 time.sleep(max(0.0, sent / (self.copy_mb_per_s * 1e6) - (time.monotonic() - began)))
-        _write_bytes(self._file(step, self.recv_from), received.numpy().tobytes())
+        del received
+        _commit(target)
 
-    def _prune(self, step: int) -> None:
+    def _prune(self, keep: int) -> None:
         """Keep this node's newest `keep` steps: older ones are no newer than what a later fault would use."""
         steps = sorted(p for p in self.dir.glob(f"{STEP_PREFIX}*") if p.is_dir())
-        for old in steps[:-self.keep]:
+        for old in steps[:len(steps) - keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def finish(self) -> None:
@@ -288,20 +292,20 @@ class MemoryTier:
         """Collective: every part held only on another node than its rank's is sent to that rank (and kept on its
         node, for a fault to come); returns the file this rank loads."""
         moves = [(rank, held) for rank, held in sorted(sources.items()) if self.nodes[held.holder] != self.nodes[rank]]
-        outgoing = [(rank, _read_bytes(self._file(step, held.rank))) for rank, held in moves
-                    if held.holder == self.rank]
+        outgoing = [(rank, _map(self._file(step, held.rank))) for rank, held in moves if held.holder == self.rank]
         source = next((held.holder for rank, held in moves if rank == self.rank), None)
         size = torch.zeros(1, dtype=torch.int64)
         _run([*(dist.P2POp(dist.isend, torch.tensor([d.numel()]), r, self.group) for r, d in outgoing),
               *([dist.P2POp(dist.irecv, size, source, self.group)] if source is not None else [])])
-        incoming = torch.empty(int(size), dtype=torch.uint8)
+        path = self._file(step, self.rank)
+        incoming = _map_new(path, int(size)) if source is not None else None
         _run([*(dist.P2POp(dist.isend, d, r, self.group) for r, d in outgoing),
               *([dist.P2POp(dist.irecv, incoming, source, self.group)] if source is not None else [])])
+        del incoming, outgoing
         dist.barrier(self.group)
         if source is None:
             return self._file(step, sources[self.rank].rank)
-        path = self._file(step, self.rank)
-        _write_bytes(path, incoming.numpy().tobytes())
+        _commit(path)
         return path
 
 
@@ -330,8 +334,29 @@ def _run(ops: list[dist.P2POp]) -> None:
         work.wait()
 
 
-def _read_bytes(path: Path) -> torch.Tensor:
-    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+def _map(path: Path) -> torch.Tensor:
+    """A file's bytes to send, mapped rather than read: in node-local shared memory they are the file's own pages,
+    so sending a part costs no second copy of it in the process."""
+    return torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+
+
+def _map_new(path: Path, size: int) -> torch.Tensor:
+    """A file of `size` bytes under `path`'s temporary name (`_commit` renames it), mapped to receive into: a part
+    received from another node goes straight into the directory, not through a buffer of the process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp(path)
+    with tmp.open("wb") as f:
+        f.truncate(size)
+    return torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
+
+
+def _commit(path: Path) -> None:
+    """The file received under `path`'s temporary name, whole: now it counts."""
+    _tmp(path).rename(path)
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
 
 
 def _flatten(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
@@ -347,15 +372,8 @@ def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
 
 def _write(path: Path, tensors: dict[str, torch.Tensor], header: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _tmp(path)
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={HEADER_KEY: json.dumps(header)})
-    tmp.rename(path)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
     tmp.rename(path)
 
 

@@ -207,7 +207,9 @@ class CheckpointConfig:
     """The memory tier (0: off): a snapshot of the whole training state in node-local host memory every N steps
     (passed over while the previous one is still being written), each rank's part copied to another node, so that a
     dead worker, node or job group resumes from the newest snapshot instead of the last stored checkpoint. Costs
-    host memory per node: about 4x that node's share of the weights and optimizer state (docs/RELIABILITY.md)."""
+    host memory per node, in the node's share of the weights and optimizer state: 1x staged, 2x for its newest 2
+    snapshots and, with no replica on another node (FULL_SHARD, SHARD_GRAD_OP), 2x for its partner's; `raysft plan
+    --host-mem-gib G` counts it and says whether it fits (docs/MEMORY.md)."""
     memory_dir: str = "/dev/shm/raysft"
     """Where each node keeps the memory tier's snapshots: node-local shared memory, which outlives the workers."""
     memory_copy_mb_per_s: float = 0.0

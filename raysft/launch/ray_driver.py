@@ -139,17 +139,19 @@ class EndRunOnRecordedError(UserCallback):
 
 def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:
     """The memory tier's snapshots of the run (raysft.checkpoint.memory): of no use once the run ended, and
-    node-local shared memory is freed by nobody else. This host's go at once; the other nodes' through a task on
-    each node Ray has alive, in a thread the driver waits for at most timeout_s (after a signal to the whole job
-    Ray itself may be gone, and a call into it would not return)."""
+    node-local shared memory is freed by nobody else. This host's go at once (every node's, on a one-host cluster);
+    the other hosts' through a task on each node Ray has alive, in a thread the driver waits for at most timeout_s
+    (after a signal to the whole job Ray itself may be gone, and a call into it would not return)."""
     try:
         run_id = read_run_id(config.run_dir)
     except (OSError, ValueError):
         return  # no record of the run: nothing of it was snapshotted
     remove_run(config.checkpoint.memory_dir, run_id)
 
-    def on_every_node() -> None:
-        on_node = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in ray.nodes() if n["Alive"]]
+    def on_every_node() -> None:  # but this host, whose snapshots (every node's of a one-host cluster) went above
+        here = ray.util.get_node_ip_address()
+        on_node = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in ray.nodes()
+                   if n["Alive"] and n["NodeManagerAddress"] != here]
         ray.get([_remove_run_snapshots.options(scheduling_strategy=s).remote(config.checkpoint.memory_dir, run_id)
                  for s in on_node])
 

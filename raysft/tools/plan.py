@@ -20,6 +20,11 @@ With parallel.sequence_parallel N, each row's tokens are split over N workers: a
 tokens / N per worker, and NO_SHARD's shard group is the N workers (FSDP shards over the sequence group).
 The peak is the larger of two moments: early in backward (weights, optimizer, gathered, activations, the larger
 of logits and in-flight gradients) and at its end (weights, gradients, optimizer, gathered, in flight).
+
+The memory tier (checkpoint.memory_every_n_steps, raysft.checkpoint.memory) is counted per node, in host memory:
+with b a worker's part of the training state (its shards of the saved weights and of the optimizer state) and w the
+node's workers, staging buffers w b, its own newest 2 snapshots 2 w b in checkpoint.memory_dir, and, with one
+replica (FULL_SHARD, SHARD_GRAD_OP) on 2 nodes or more, the copies of its partner node's 2 snapshots, 2 w b.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ class Topology:
     workers: int
     nodes: int
     gpu_mem_bytes: float | None = None  # per GPU; None: unknown (no cluster and no --gpu-mem-gib)
+    host_mem_bytes: float | None = None  # per node; None: unknown (no --host-mem-gib)
 
 
 def shard_group(cfg: TrainConfig, topology: Topology) -> int:
@@ -98,6 +104,14 @@ def shard_group(cfg: TrainConfig, topology: Topology) -> int:
                           "workers) or set parallel.hsdp_shard_size")
     node_ranks = [rank * nodes // workers for rank in range(workers)]
     return ParallelDims.from_config(p, node_ranks).shard_group_size
+
+
+def replicated(cfg: TrainConfig, topology: Topology) -> bool:
+    """Whether a shard has replicas (HYBRID_SHARD, NO_SHARD over several workers): their snapshots stand in for
+    one another, and the memory tier sends no copy."""
+    workers, nodes = topology.workers, topology.nodes
+    node_ranks = [rank * nodes // workers for rank in range(workers)]
+    return ParallelDims.from_config(cfg.parallel, node_ranks).replicate > 1
 
 
 def micro_batch_tokens(cfg: TrainConfig) -> int:
@@ -198,6 +212,69 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
                 shards + offloaded if cfg.parallel.cpu_offload else 0.0)
 
 
+SNAPSHOTS_KEPT = 2  # raysft.checkpoint.memory.MemoryTier's keep: the newest whole step and the one being written
+
+
+@dataclass(frozen=True)
+class MemoryTierHost:
+    """The memory tier's host memory on the node with the most workers (`memory_tier_host`)."""
+
+    workers: int  # on that node
+    terms: dict[str, float]  # staging buffers (process memory), own snapshots and partner copies (memory_dir)
+    host_mem_bytes: float | None  # per node, if known
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def in_memory_dir(self) -> float:
+        return self.terms["own snapshots"] + self.terms["partner copies"]
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.host_mem_bytes is None else self.total <= self.host_mem_bytes
+
+    @property
+    def fits_dev_shm(self) -> bool | None:
+        """Whether the snapshots fit /dev/shm at its default size, half the host memory."""
+        return None if self.host_mem_bytes is None else self.in_memory_dir <= self.host_mem_bytes / 2
+
+
+def memory_tier_host(cfg: TrainConfig, result: Plan) -> MemoryTierHost:
+    """The memory tier's host memory per node (raysft.checkpoint.memory): each worker's part of the training state
+    (what a sharded checkpoint of it holds) in staging buffers, its newest 2 snapshots on the node and, when a shard
+    has no replica on another node, the copies of the partner node's 2 snapshots."""
+    topo = result.topology
+    workers = math.ceil(topo.workers / topo.nodes)
+    part = result.save_host_bytes["sharded"]
+    node = workers * part
+    copies = topo.nodes > 1 and not replicated(cfg, topo)
+    terms = {"staging buffers": node, "own snapshots": SNAPSHOTS_KEPT * node,
+             "partner copies": SNAPSHOTS_KEPT * node if copies else 0.0}
+    return MemoryTierHost(workers, terms, topo.host_mem_bytes)
+
+
+def render_memory_tier(cfg: TrainConfig, tier: MemoryTierHost, unit: str, size: float) -> list[str]:
+    """The memory tier's rows of `raysft plan`."""
+    every = cfg.checkpoint.memory_every_n_steps
+    state = "off (checkpoint.memory_every_n_steps: 0); were it on" if not every else f"every {every} step(s)"
+    lines = [f"memory tier, host memory per node of {tier.workers} worker(s) ({unit}): {state}"]
+    lines += [f"  {name:<17} {value / size:9.2f}" for name, value in tier.terms.items()]
+    lines.append(f"  total             {tier.total / size:9.2f}  ({tier.in_memory_dir / size:.2f} of it in "
+                 f"{cfg.checkpoint.memory_dir})")
+    if tier.host_mem_bytes is None:
+        lines.append("  fits: unknown (give --host-mem-gib)")
+    else:
+        host = tier.host_mem_bytes
+        lines.append(f"  fits {host / GiB:.1f} GiB of host memory per node: {'yes' if tier.fits else 'NO'} "
+                     f"({tier.total / host:.0%}, beside the workers' own host memory)")
+        if cfg.checkpoint.memory_dir.startswith("/dev/shm"):
+            lines.append(f"  fits /dev/shm at its default size, half the host memory ({host / 2 / GiB:.1f} GiB): "
+                         f"{'yes' if tier.fits_dev_shm else 'NO (mount it larger, or set checkpoint.memory_dir)'}")
+    return lines
+
+
 def render(cfg: TrainConfig, result: Plan) -> str:
     """The plan as `raysft plan` prints it."""
     sh, topo = result.shape, result.topology
@@ -244,4 +321,5 @@ def render(cfg: TrainConfig, result: Plan) -> str:
         source = "each rank, one module at a time (seeded)"
     lines += ["", f"initial weights, host memory on top of the shards: {result.init_host_bytes / size:.2f} {unit} "
                   f"({source})"]
+    lines += ["", *render_memory_tier(cfg, memory_tier_host(cfg, result), unit, size)]
     return "\n".join(lines)
