@@ -56,7 +56,9 @@ def test_checkpoint_measures_every_mode(bench):
     saves = [by.pop(v) for v in ("full", "full-async", "sharded", "sharded-async")]
     assert sorted(by) == ["goodput-full", "goodput-sharded", "goodput-sharded-async"]
     assert all(g["every_2_over_end"] > 0 for g in by.values())
-    assert saves[2]["bytes"] == pytest.approx(saves[0]["bytes"], rel=0.05)  # the same state, either way
+    # the same state, either way: DCP stores each parameter's optimizer settings beside its tensors, a fixed cost
+    # per parameter that is some 5% of a toy model's few MB
+    assert saves[2]["bytes"] == pytest.approx(saves[0]["bytes"], rel=0.1)
     assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["disk_write_gbps"] > 0 for r in saves)
     # written once: what the processes wrote is the checkpoint's size, not twice it (a copy into storage)
     assert all(0.95 < run["bytes_written"] / run["bytes"] < 1.5 for r in saves for run in r["runs"]), saves

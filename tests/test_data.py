@@ -470,13 +470,13 @@ from raysft.data.tokenizer import load_tokenizer
 data, store, how = sys.argv[1:]
 tokenize = prepare._tokenize_here
 
-def tokenize_then(cfg, tok, sources, out, split):
+def tokenize_then(cfg, tok, sources, out, *args):
     (Path(store) / "building").write_text(str(out))
     if how == "killed":
         os.kill(os.getpid(), signal.SIGKILL)
     while not (Path(store) / "go").exists():
         time.sleep(0.05)
-    return tokenize(cfg, tok, sources, out, split)
+    return tokenize(cfg, tok, sources, out, *args)
 
 prepare._tokenize_here = tokenize_then
 print(prepare.prepare_store(DataConfig(paths=[data]), load_tokenizer(ModelConfig()), Path(store)).reused)
