@@ -1,5 +1,6 @@
 """The console script end to end, as a user runs it: its own local Ray, exit codes, printed paths."""
 
+import json
 import os
 import pty
 import subprocess
@@ -126,29 +127,35 @@ def test_train_export_refuses_a_directory_it_did_not_export_before_training(tmp_
 
 
 @pytest.mark.slow  # a real raysft train on a local Ray
-def test_an_error_met_in_the_workers_ends_the_run_at_once_as_one_line(tmp_path, env):
-    """A model directory whose config.json disagrees with its weights passes the driver's checks (its files are
-    whole) and meets every worker at its load: with scaling.max_failures: 3, Ray's failure policy decides once, to
-    end the run (its log says RAISE and never RETRY), and the terminal shows the one line of the error."""
-    from transformers import AutoModelForCausalLM
+def test_an_error_met_in_the_workers_ends_the_run_at_once_as_one_line(tmp_path, env, gloo_pool):
+    """A full checkpoint whose split index was tampered with (its manifest re-signed to match) passes the driver's
+    checks, which read no checkpoint, and meets every worker at its resume: with scaling.max_failures: 3, Ray's
+    failure policy decides once, to end the run (its log says RAISE and never RETRY), and the terminal shows the
+    one line of the error. The run's first two steps are trained without Ray, on the suite's gloo pair."""
+    from safetensors import safe_open
 
-    from raysft.config import ModelConfig
-    from raysft.data.tokenizer import load_tokenizer
-    from raysft.model.build import load_model_config
+    import raysft.checkpoint.manifest as manifest_module
+    from raysft.checkpoint import MANIFEST_FILE
+    from raysft.config import load_config
+    from raysft.launch.torchrun import launch
 
-    model = tmp_path / "model"
-    config = load_model_config(ModelConfig(), load_tokenizer(ModelConfig(), "auto"))
-    AutoModelForCausalLM.from_config(config).save_pretrained(model)
-    config.intermediate_size -= 32
-    config.save_pretrained(model)
-    sets = {"model.path": model, "scaling.max_failures": 3, "data.max_seq_len": 64, "train.max_steps": 2,
+    sets = {"scaling.max_failures": 3, "data.max_seq_len": 64, "train.max_steps": 2, "checkpoint.mode": "full",
             "run.storage_path": tmp_path / "runs", "run.name": "bad"}
-    done = run_cli("train", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")], env=env)
+    overrides = [f"{k}={v}" for k, v in sets.items()]
+    cfg = load_config(None, overrides)
+    gloo_pool.run(launch, cfg)
+    ckpt = cfg.run_dir / "checkpoint_00000002"
+    with safe_open(ckpt / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    weight_map = {name: "model.safetensors" for name in names} | {names[0]: "optimizer.safetensors"}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (ckpt / MANIFEST_FILE).unlink()
+    manifest_module.write_manifest(ckpt, 2, [manifest_module.durable_file_list(ckpt)])
+    done = run_cli("train", *[a for o in [*overrides, "train.max_steps=4"] for a in ("--set", o)], env=env)
     assert done.returncode == 1, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"raysft: error: WeightsFileError: {model}/model.safetensors: "
-                                                   "tensor 'model.layers.0.mlp."), lines
-    assert "has shape [352, 128], the model's is [320, 128]" in lines[0]
+    assert lines == [f"raysft: error: CheckpointError: {ckpt}/model.safetensors.index.json: weight_map names "
+                     f"'optimizer.safetensors', which is no model file of a checkpoint"], lines
     logs = Path(done.stdout.split("its logs: ")[1].split()[0])
     decisions = [line for f in logs.rglob("*") if f.is_file() for line in f.read_text(errors="replace").splitlines()
                  if "[FailurePolicy]" in line]
