@@ -15,7 +15,10 @@ import check  # noqa: E402
 
 pytestmark = pytest.mark.slow  # runs the whole device check (about 40 s): not in make test-fast
 STEPS = ["environment", "tests", "prepare", "throughput", "profile", "determinism", "checkpoint"]
-LEGS = ["bundle", "prepare", "throughput", "save_memory", "titan", *check.RAY_LEGS]
+LEGS = ["bundle", "prepare", "save_memory", "titan", "ray_recovery"]
+# The suite runs the one Ray leg with a restart in it; ray_throughput, ray_sigterm and ray_lora start Ray again:
+# their behaviour is the suite's elsewhere (tests/test_bench.py's throughput under Ray and torchrun,
+# tests/test_signals.py, tests/test_lora.py), and the device call runs them (docs/BENCHMARKS.md)
 
 
 def smoke_run(tmp, *args: str) -> tuple[dict, dict, object]:
@@ -38,8 +41,8 @@ def smoke(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def legs(tmp_path_factory):
-    """One smoke run of the legs a GPU session with the bundle runs for issue 39: the Ray Train legs, torchtitan's,
-    the save's memory; the throughput step (its varlen recipe) first, which they compare against."""
+    """One smoke run of legs a GPU session with the bundle runs for issue 39: torchtitan's, the save's memory and
+    the Ray Train worker restart."""
     # each leg of Ray launches Ray once or twice: the budget leaves time for a slow, shared machine
     return smoke_run(tmp_path_factory.mktemp("gpu-legs"), "--only", ",".join(LEGS), "--variants", "varlen",
                      "--budget-s", "3000")
@@ -171,7 +174,7 @@ def test_bench_results_record_versions_on_a_machine_without_ray(monkeypatch):
     assert env["ray"] is None and env["torch"] and env["transformers"]
 
 
-@pytest.mark.timeout(2400)  # four Ray launches and three of torchrun, each leg in its own process
+@pytest.mark.timeout(2400)  # a Ray launch, a worker killed and restarted; each leg in its own process
 def test_the_issue_39_legs_run_and_record_what_they_measure(legs):
     summary, steps, _ = legs
     assert list(steps) == LEGS
@@ -189,16 +192,7 @@ def test_the_issue_39_legs_run_and_record_what_they_measure(legs):
     assert titan["command"][:3] == ["python", "-m", "torchtitan.train"] and len(titan["differences"]) >= 5
     assert titan["dry"].startswith("not run: ")  # no torchtitan here: tests/test_gpu_bundle.py runs it from a bundle
 
-    ray = steps["ray_throughput"]["result"]  # the same config under both launchers: the same training
-    assert ray["ray"]["returncode"] == ray["torchrun"]["returncode"] == 0 and ray["ray_over_torchrun"] > 0
-    assert ray["ray"]["loss"] == ray["torchrun"]["loss"]
     recovery = steps["ray_recovery"]["result"]
     assert recovery["killed"]["pid"] > 0 and recovery["resumed_from"] and recovery["bit_exact"] is True
     assert recovery["first_difference"] is None and recovery["steps_trained_twice"]
-    sigterm = steps["ray_sigterm"]["result"]
-    assert sigterm["returncode"] == 143 and sigterm["checkpoint_steps"][-1] == sigterm["last_step"] >= 3
-    lora = steps["ray_lora"]["result"]
-    assert lora["ok"] is True and lora["tokens_per_s"] > 0 and 0 < lora["checkpoint_bytes"]
-    for name in ("ray_worker_restart_bit_exact", "ray_sigterm_checkpoint_and_143"):
-        assert summary["targets"][name]["met"] is True
-    assert summary["targets"]["ray_over_torchrun"]["value"] == ray["ray_over_torchrun"]
+    assert summary["targets"]["ray_worker_restart_bit_exact"]["met"] is True
