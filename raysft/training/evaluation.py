@@ -1,7 +1,7 @@
 """Validation: the loss over every label token of the eval store, on all workers, without gradients.
 
 The eval store is tokenized like the training store (data.eval_paths, or the records data.eval_fraction holds out
-of data.paths: raysft.data.split_copies) and read the same lazy way (dataloader.TokenizedDataset), so the eval set
+of data.paths: raysft.data.store.split_copies) and read the same lazy way (dataloader.TokenizedDataset), so the eval set
 is never held in memory. The loss is the training loss with the same labels: the sum of every label token's
 cross-entropy over all workers, divided by the number of label tokens, so it does not depend on the worker count.
 
