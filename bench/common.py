@@ -181,3 +181,18 @@ def disk_write_gbps(directory: Path, size_mib: int) -> float:
     target.unlink()
     seconds = float(re.search(r"copied, ([0-9.]+) s", out).group(1))
     return size_mib * MiB / seconds / 1e9
+
+
+def train_worker_pids(root_pid: int | None = None) -> list[int]:
+    """Ray Train's worker processes (Ray's process title `ray::RayTrainWorker`) among the descendants of root_pid
+    (default: this process, the driver of a local Ray)."""
+    import psutil
+
+    pids = []
+    for child in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
+                pids.append(child.pid)
+        except psutil.Error:
+            pass
+    return pids

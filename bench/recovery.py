@@ -40,27 +40,13 @@ import threading
 import time
 from pathlib import Path
 
-from common import Setup, add_model_args, median_span, save_results, write_rank_result
+from common import Setup, add_model_args, median_span, save_results, train_worker_pids, write_rank_result
 
 HEALTH_CHECK_S = os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0 (Ray's default)")
 # the fault tests' timings (tests/test_faults_cluster.py), used with --nodes
 RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
                  "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}
 NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
-
-
-def train_worker_pids() -> list[int]:
-    """This driver's Ray Train workers: descendants of the local Ray it started."""
-    import psutil
-
-    pids = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):  # Ray's process title
-                pids.append(child.pid)
-        except psutil.Error:
-            pass
-    return pids
 
 
 def tick_the_autoscaling_coordinator_often() -> None:

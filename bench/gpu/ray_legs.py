@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 from steps import VARIANTS, Results, common_sets, setup
 
 from raysft.checkpoint import checkpoint_dirs
@@ -74,14 +73,9 @@ class Launch:
 
     def train_workers(self) -> list[int]:
         """Ray's train worker processes of this launch (descendants of its driver)."""
-        pids = []
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):  # Ray's process title
-                    pids.append(child.pid)
-            except psutil.Error:
-                pass
-        return pids
+        from common import train_worker_pids  # bench/, on the path once steps is imported
+
+        return train_worker_pids(self.proc.pid)
 
 
 def raysft_train(work: Path, name: str, sets: list[str]) -> Launch:
