@@ -200,8 +200,11 @@ def test_sigterm_to_the_whole_job_then_a_grace_that_expires_end_in_time_and_leav
             if launch.poll() is None:
                 os.killpg(launch.pid, signal.SIGKILL)
     assert whole_job_took < 40, whole_job_took  # the stop request's timeout and Ray's shutdown, not the grace of 60 s
-    assert "raysft: stopped by SIGTERM (the workers could not be asked to checkpoint: Ray did not take the request" \
-           in whole_job[1] and "no checkpoint was taken" in whole_job[1], whole_job[1][-3000:]
+    # Which of the driver's two threads meets Ray's end first is a race: the stop request (refused or timed out),
+    # or Ray Train's `fit` (its worker actor gone). Either way the driver says no checkpoint was taken, and why.
+    assert any(f"raysft: stopped by SIGTERM ({why}" in whole_job[1] for why in (
+        "the workers could not be asked to checkpoint: Ray did not take the request",
+        "the run failed after the signal: ")) and "no checkpoint was taken" in whole_job[1], whole_job[1][-3000:]
     assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resume"] == [before]
     assert 5 <= grace_took < 40, grace_took
     assert "raysft: stopped by SIGTERM (the workers did not checkpoint within run.stop_grace_s=5); no checkpoint " \

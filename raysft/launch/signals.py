@@ -12,7 +12,8 @@ on the step to stop at in the same check.
 A signal to the whole job (Slurm's scancel, a container runtime signalling the process group) also reaches the
 local Ray the driver started, and its workers: they end at once, and no checkpoint can be taken. The driver then
 does not wait out Ray's client (which ends the process with an error a minute later): the stop request fails or
-times out, and the driver exits 143 saying that no checkpoint was taken; the run resumes from its last one.
+times out, or Ray Train's `fit` fails on its gone actors, whichever comes first, and the driver exits 143 saying
+that no checkpoint was taken and why; the run resumes from its last one.
 """
 
 from __future__ import annotations
