@@ -3,6 +3,7 @@ stands in for two nodes, each rank on a node of its own (WorkerContext.node), wi
 than /dev/shm. A worker killed mid-run is a real process death (the pool starts fresh processes); a lost node is
 its directory of snapshots gone."""
 
+import errno
 import json
 import os
 import shutil
@@ -64,6 +65,69 @@ def launch_counting_held_steps(ctx, cfg, counts: Path) -> dict:
         return launch_on_own_node(ctx, cfg)
     finally:
         MemoryTier._exchange = real_exchange
+
+
+def launch_with_short_memory(ctx, cfg, failing_rank: int, where: str, at_step: int, written: Path) -> dict:
+    """launch_on_own_node, every snapshot taken (each waits for the one before), with `failing_rank`'s snapshot
+    of `at_step` failing for want of room: writing its own file (where="own") or receiving its partner's copy
+    (where="copy"), as a full /dev/shm fails them. Each rank notes in `written` the steps it wrote."""
+    from raysft.checkpoint import memory
+    from raysft.training.trainer import Trainer
+
+    real_write, real_map_new, real_step = memory._write, memory._map_new, Trainer.train_step
+    step_of = {}
+
+    def full(path) -> OSError:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    def write(path, tensors, header):
+        step_of["now"] = header["step"]
+        if ctx.rank == failing_rank and where == "own" and header["step"] == at_step:
+            raise full(path)
+        real_write(path, tensors, header)
+        with written.open("a") as f:
+            f.write(f"{ctx.rank} {header['step']}\n")
+
+    def map_new(path, size):
+        if ctx.rank == failing_rank and where == "copy" and step_of.get("now") == at_step:
+            raise full(path)
+        return real_map_new(path, size)
+
+    def train_step(self, *args, **kwargs):
+        self.memory.finish()
+        return real_step(self, *args, **kwargs)
+
+    memory._write, memory._map_new, Trainer.train_step = write, map_new, train_step
+    try:
+        return launch_on_own_node(ctx, cfg)
+    finally:
+        memory._write, memory._map_new, Trainer.train_step = real_write, real_map_new, real_step
+
+
+def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
+    """launch_on_own_node, every snapshot taken, with rank 1's process killed while it writes its part of the
+    snapshot of `at_step` (part of the file is on disk under its temporary name)."""
+    from raysft.checkpoint import memory
+    from raysft.training.trainer import Trainer
+
+    real_write, real_step = memory._write, Trainer.train_step
+
+    def write(path, tensors, header):
+        if ctx.rank == 1 and header["step"] == at_step:
+            memory._tmp(path).parent.mkdir(parents=True, exist_ok=True)
+            memory._tmp(path).write_bytes(b"\0" * 4096)
+            os._exit(9)
+        real_write(path, tensors, header)
+
+    def train_step(self, *args, **kwargs):
+        self.memory.finish()
+        return real_step(self, *args, **kwargs)
+
+    memory._write, Trainer.train_step = write, train_step
+    try:
+        return launch_on_own_node(ctx, cfg)
+    finally:
+        memory._write, Trainer.train_step = real_write, real_step
 
 
 def node_dir(cfg, node: str) -> Path:
@@ -154,6 +218,48 @@ def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots(tmp_path, 
     records = read_metrics(cfg.run_dir)
     assert read_run_id(cfg.run_dir) != old_id
     assert not [m for m in records if m.get("event") == "resume"] and records[0]["event"] == "start"
+
+
+def test_with_every_nodes_snapshots_gone_the_stored_checkpoint_is_used_and_the_log_says_why(
+        tmp_path, gloo_pool, uninterrupted, faulted):
+    """The memory that held the snapshots is gone on every node (the nodes rebooted, /dev/shm cleared)."""
+    cfg = continue_copy(faulted, tmp_path)
+    shutil.rmtree(Path(cfg.checkpoint.memory_dir))
+    gloo_pool.run(launch_on_own_node, cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"] == ["no snapshot in memory"]
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("failing_rank, where", [(1, "own"), (0, "copy")])
+def test_host_memory_short_on_one_rank_turns_the_tier_off_on_every_rank_and_the_run_goes_on(
+        tmp_path, gloo_pool, uninterrupted, failing_rank, where):
+    """One rank's snapshot of step 5 fails for want of room (its own file, or the copy of its partner's): no rank
+    waits for it, every rank stops taking snapshots, the log says once which rank failed and why, and the run ends
+    as the run without the tier does, leaving nothing behind."""
+    cfg = memory_config(tmp_path, "short")
+    written = tmp_path / "written.txt"
+    gloo_pool.run(launch_with_short_memory, cfg, failing_rank, where, 5, written)
+    off = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "memory_tier_off"]
+    assert len(off) == 1 and off[0]["reason"].startswith(f"rank {failing_rank}: OSError: [Errno 28] No space left")
+    steps = [int(line.split()[1]) for line in written.read_text().splitlines()]
+    assert max(steps) == 5 and sorted(set(steps)) == [1, 2, 3, 4, 5]  # seen at step 6's check: none after
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+    assert not any((tmp_path / "shm").iterdir())
+
+
+def test_a_rank_killed_mid_snapshot_leaves_no_part_and_the_step_before_is_resumed(
+        tmp_path, gloo_pool, uninterrupted):
+    cfg = memory_config(tmp_path, "mid-snapshot")
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_killed_mid_snapshot, cfg, FAULT_AT)
+    cut = node_dir(cfg, "node1") / f"step_{FAULT_AT:08d}"
+    assert [p.name for p in cut.iterdir()] == [".rank_1.safetensors.tmp"]  # what the kill left of the part
+    gloo_pool.run(launch_on_own_node, cfg)
+    resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
+    assert resumes == [{**resumes[0], "step": FAULT_AT - 1, "tier": "memory"}]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
 def test_partners_are_the_same_place_on_the_next_node():

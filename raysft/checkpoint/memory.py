@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +51,7 @@ from raysft.checkpoint.state import (
 )
 from raysft.checkpoint.trainable import state_dict_options
 from raysft.errors import CheckpointError
-from raysft.parallel.collectives import all_ranks
+from raysft.parallel.collectives import default_device
 
 FORMAT = 1
 HEADER_KEY = "raysft_memory"
@@ -116,8 +117,7 @@ class MemoryTier:
         the snapshot so that a resume from it logs them too."""
         if not self.every or state.step % self.every or self.failed:
             return False
-        ready = self.pending is None or self.pending.done()
-        if not all_ranks(ready and self._previous_succeeded()):
+        if not self._previous_written():
             return False
         tensors = self._stage()
         if held:
@@ -135,16 +135,23 @@ class MemoryTier:
                                           header, event)
         return True
 
-    def _previous_succeeded(self) -> bool:
-        if self.pending is None:
-            return True
-        error = self.pending.exception()
-        if error is not None and not self.failed:
-            self.failed = f"{type(error).__name__}: {error}"
-            if self.log is not None:
-                self.log.event("memory_tier_off", reason=self.failed,
-                               hint="the stored checkpoints go on; check the free space of checkpoint.memory_dir")
-        return error is None
+    def _previous_written(self) -> bool:
+        """Collective: whether the previous snapshot is written on every rank. If it failed on some rank (host
+        memory short, say), the tier turns off on every rank at once, with one event naming the rank and the
+        error: the stored checkpoints go on."""
+        done = self.pending is None or self.pending.done()
+        error = self.pending.exception() if self.pending is not None and done else None
+        flags = torch.tensor([int(done), int(error is None)], device=default_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # training's group: the tier's is the writer thread's
+        if flags[1]:
+            return bool(flags[0])
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        self.failed = "; ".join(f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None)
+        if self.log is not None:
+            self.log.event("memory_tier_off", reason=self.failed,
+                           hint="the stored checkpoints go on; check the free space of checkpoint.memory_dir")
+        return False
 
     def _stage(self) -> dict[str, torch.Tensor]:
         """This rank's shards, copied into buffers kept from one snapshot to the next (pinned host memory for a GPU
@@ -166,34 +173,51 @@ class MemoryTier:
                         event: torch.cuda.Event | None) -> None:
         if event is not None:
             event.synchronize()
-        self._prune(self.keep - 1)  # the newest whole step stays while this one is written: `keep` steps at most
-        path = self._file(step, self.rank)
-        _write(path, tensors, header)
+        path, error = self._file(step, self.rank), None
+        try:
+            self._prune(self.keep - 1)  # the newest whole step stays while this one is written: `keep` at most
+            _write(path, tensors, header)
+        except OSError as e:  # the partner still takes part in the exchange, or its thread would wait for ours
+            path, error = None, e
         self._exchange(step, path)
+        if error is not None:
+            raise error
 
     def _file(self, step: int, rank: int) -> Path:
         return self.dir / f"{STEP_PREFIX}{step:08d}" / f"rank_{rank}.safetensors"
 
-    def _exchange(self, step: int, path: Path) -> None:
-        """Send this rank's file of `step` to its partner on the next node, and keep the one of the rank whose
-        partner this is, at copy_mb_per_s if set. Every rank runs the same exchange for the same step (the
-        snapshots are agreed collectively), so the sends and receives pair up."""
+    def _exchange(self, step: int, path: Path | None) -> None:
+        """Send this rank's file of `step` (None: it could not be written) to its partner on the next node, and keep
+        the one of the rank whose partner this is, at copy_mb_per_s if set. Every rank runs the same exchange for
+        the same step (the snapshots are agreed collectively), so the sends and receives pair up; a side that has
+        nothing to send, or no room to receive, says so first, and the exchange ends on both sides without it."""
         if self.send_to is None:
             return
-        data = _map(path)
-        sizes = torch.tensor([data.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        _pair(sizes[0], self.send_to, sizes[1], self.recv_from, self.group)
-        target = self._file(step, self.recv_from)
-        received = _map_new(target, int(sizes[1]))
+        data = _map(path) if path is not None else torch.empty(0, dtype=torch.uint8)
+        size, incoming = torch.tensor([data.numel() if path is not None else -1]), torch.zeros(1, dtype=torch.int64)
+        _pair(size, self.send_to, incoming, self.recv_from, self.group)
+        target, received, error = self._file(step, self.recv_from), None, None
+        if incoming.item() >= 0:
+            try:
+                received = _map_new(target, int(incoming.item()))
+            except OSError as e:
+                error = e
+        accepted, partner_accepted = torch.tensor([int(received is not None)]), torch.zeros(1, dtype=torch.int64)
+        _pair(accepted, self.recv_from, partner_accepted, self.send_to, self.group)  # the other way round
+        data = data if partner_accepted.item() else data[:0]
+        into = received if received is not None else torch.empty(0, dtype=torch.uint8)
         chunk = 64 << 20
-        for start in range(0, max(data.numel(), received.numel()), chunk):
+        for start in range(0, max(data.numel(), into.numel()), chunk):
             began = time.monotonic()
-            _pair(data[start:start + chunk], self.send_to, received[start:start + chunk], self.recv_from, self.group)
+            _pair(data[start:start + chunk], self.send_to, into[start:start + chunk], self.recv_from, self.group)
             if self.copy_mb_per_s:
                 sent = min(chunk, max(0, data.numel() - start))
                 time.sleep(max(0.0, sent / (self.copy_mb_per_s * 1e6) - (time.monotonic() - began)))
-        del received
-        _commit(target)
+        if received is not None:
+            del received, into
+            _commit(target)
+        if error is not None:
+            raise error
 
     def _prune(self, keep: int) -> None:
         """Keep this node's newest `keep` steps: older ones are no newer than what a later fault would use."""
@@ -345,8 +369,13 @@ def _map_new(path: Path, size: int) -> torch.Tensor:
     received from another node goes straight into the directory, not through a buffer of the process."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(path)
-    with tmp.open("wb") as f:
-        f.truncate(size)
+    try:
+        with tmp.open("wb") as f:
+            if size:  # the room taken now: a full /dev/shm is an OSError here, not a SIGBUS on a page written later
+                os.posix_fallocate(f.fileno(), 0, size)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
 
 
