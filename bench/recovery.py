@@ -255,12 +255,22 @@ def cluster_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster) -> li
 
 
 def cost_leg(args: argparse.Namespace, setup: Setup, cluster: Cluster, sets: list[str], plain, reference) -> dict:
-    """The uninterrupted run with the tier beside the one without: step time, bit-exactness, snapshot bytes."""
-    with_tier = setup.config(*sets, f"run.name={plain.run.name}-tier")
-    held = SnapshotBytes(with_tier.checkpoint.memory_dir)
-    train(cluster, with_tier, sample=held)
-    return {"variant": "cost", "step_s_tier_off": median_step_s(plain), "step_s_tier_on": median_step_s(with_tier),
-            "bit_exact": same_run(with_tier, reference), "snapshot_bytes_peak_per_node": held.peak,
+    """Uninterrupted runs with the tier beside those without, --repeats of each in alternating order (the first
+    without is the reference run already trained): step time, bit-exactness, snapshot bytes."""
+    off, on, exact, with_tier = [median_step_s(plain)], [], [], None
+    held = SnapshotBytes(setup.work / "shm")
+    for repeat in range(args.repeats):
+        for tier in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
+            if tier == "off" and len(off) > repeat:
+                continue
+            cfg = setup.config(*(sets if tier == "on" else [s for s in sets if "memory" not in s]),
+                               f"run.name={plain.run.name}-cost-{tier}-{repeat}")
+            train(cluster, cfg, sample=held if tier == "on" else None)
+            (on if tier == "on" else off).append(median_step_s(cfg))
+            with_tier = cfg if tier == "on" else with_tier
+            exact.append(same_run(cfg, reference))
+    return {"variant": "cost", "step_s_tier_off": statistics.median(off), "step_s_tier_on": statistics.median(on),
+            "runs_off": off, "runs_on": on, "bit_exact": all(exact), "snapshot_bytes_peak_per_node": held.peak,
             "planned_per_node": planned_snapshot_bytes(setup, with_tier, args)}
 
 
@@ -418,7 +428,8 @@ def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> 
         if r["variant"] == "cost":
             held = ", ".join(f"{v / 2**20:.1f}" for v in r["snapshot_bytes_peak_per_node"].values())
             lines += ["", f"{r['variant']}: median step {r['step_s_tier_off']:.3f} s without the tier, "
-                          f"{r['step_s_tier_on']:.3f} s with it every step "
+                          f"{r['step_s_tier_on']:.3f} s with it every step (median of {len(r['runs_on'])} runs "
+                          f"each, alternating) "
                           f"({r['step_s_tier_on'] / r['step_s_tier_off'] - 1:+.1%}); bit-exact: {r['bit_exact']}; "
                           f"peak MiB in memory_dir per node: {held} (plan: "
                           f"{r['planned_per_node']['in_memory_dir'] / 2**20:.1f}, beside "
