@@ -183,16 +183,16 @@ def disk_write_gbps(directory: Path, size_mib: int) -> float:
     return size_mib * MiB / seconds / 1e9
 
 
-def train_worker_pids(root_pid: int | None = None) -> list[int]:
+def train_worker_pids(root_pid: int | None = None, among: list[int] | None = None) -> list[int]:
     """Ray Train's worker processes (Ray's process title `ray::RayTrainWorker`) among the descendants of root_pid
-    (default: this process, the driver of a local Ray)."""
+    (default: this process, the driver of a local Ray), or among the given pids (a namespace node's)."""
     import psutil
 
     pids = []
-    for child in psutil.Process(root_pid).children(recursive=True):
+    for pid in among if among is not None else [p.pid for p in psutil.Process(root_pid).children(recursive=True)]:
         try:
-            if " ".join(child.cmdline()).startswith("ray::RayTrainWorker"):
-                pids.append(child.pid)
+            if " ".join(psutil.Process(pid).cmdline()).startswith("ray::RayTrainWorker"):
+                pids.append(pid)
         except psutil.Error:
             pass
     return pids

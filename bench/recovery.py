@@ -7,6 +7,8 @@ from a stored checkpoint spends verifying it.
     python bench/recovery.py --nodes 2 --workers 4 --modes full --faults worker,node,elastic --tier off,on \
         --hidden 256 --layers 4 --seq-len 64 --every 4 --repeats 1 --verify-gib 4
 
+    sudo python bench/recovery.py --netns --nodes 2 --workers 4 --modes full --sharding HYBRID_SHARD ...
+
 Without --nodes, every run trains on one local Ray with Ray Train's own health-check interval, and one train worker
 gets SIGKILL two steps after the first checkpoint (the "worker" fault). With --nodes N the runs train FULL_SHARD
 on a Ray cluster of N logical nodes on this machine (ray.cluster_utils.Cluster: a head with no CPUs, nodes of
@@ -15,6 +17,11 @@ fault tests' shortened timings (tests/test_faults_cluster.py), and --faults pick
   worker   SIGKILL to one train worker; Ray Train restarts the group
   node     the last node removed (its raylet and workers killed), a replacement added at once
   elastic  the last node removed for good, scaling.min_workers = workers - workers / N: the run goes on without it
+With --netns (and --nodes 2) the nodes are network namespaces instead (cluster/netns.sh: an IP and a Ray node
+each, the test's node-death settings), the driver runs in the head's, and the faults hit node 1: its
+RayTrainWorker SIGKILLed (worker), every process in it SIGKILLed and a replacement joined once Ray declared it dead
+(node), or every process SIGKILLed for good (elastic). --sharding picks the layout (HYBRID_SHARD: one replica per
+node, the replica the copy; FULL_SHARD: the tier sends each part to the other node).
 Each fault runs with the tier off and on (--tier). From each run's metrics.jsonl:
   recovery    the fault to the end of the first step after resuming
   steps lost  steps trained before the fault after the step it resumed from
@@ -31,13 +38,17 @@ and by every rank its share (discovery.verified_reason), alternately, --repeats 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from common import Setup, add_model_args, median_span, save_results, train_worker_pids, write_rank_result
@@ -88,6 +99,8 @@ class Cluster:
         """Before a run: every node back, and a tick of the coordinator since (else Ray starts fewer workers)."""
         import ray
 
+        if self.nodes is None:
+            return
         while len(self.nodes.worker_nodes) < self.args.nodes:
             self.add_node()
         while ray.available_resources().get("CPU", 0) < self.args.workers:
@@ -108,6 +121,44 @@ class Cluster:
         ray.shutdown()
         if self.nodes is not None:
             self.nodes.shutdown()
+
+
+class NamespaceNodes:
+    """Inside node 0's namespace (the head's): the cluster of 2 network namespaces the host process started
+    (cluster/netns.sh, tests/netns_cluster.py), each node with its own IP and Ray node; the faults hit node 1."""
+
+    def __init__(self, args: argparse.Namespace, netns):
+        import ray
+
+        self.args, self.netns, self.nodes = args, netns, netns.nodes
+        os.environ.update(RAY_TRAIN_ENV)
+        env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent)])}
+        ray.init(address=netns.head, log_to_driver=False, runtime_env={
+            "env_vars": {**env, **RAY_TRAIN_ENV},
+            "worker_process_setup_hook": "recovery.tick_the_autoscaling_coordinator_often"})
+
+    def settle(self) -> None:
+        import ray
+
+        if not self.netns.pids(1):  # lost for good by the elastic fault: a new node for the next run
+            self.netns.join(1)
+        while ray.available_resources().get("CPU", 0) < self.args.workers:
+            time.sleep(0.2)
+        time.sleep(2)
+
+    def fault(self, fault: str) -> None:
+        if fault == "worker":
+            os.kill(train_worker_pids(among=self.netns.pids(1))[0], signal.SIGKILL)
+            return
+        self.netns.kill_node(1)
+        if fault == "node":  # a replacement, once Ray has declared the node dead (a Ray node id is not reused)
+            self.netns.wait_node(1, alive=False)
+            self.netns.join(1)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
 
 
 def steps_of(run_dir: Path) -> list[dict]:
@@ -144,8 +195,7 @@ def train(cluster: Cluster, cfg, fault: str | None = None, at_step: int = 0, sam
         except BaseException as e:  # noqa: BLE001 - re-raised below
             error.append(e)
 
-    if cluster.nodes is not None:
-        cluster.settle()
+    cluster.settle()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     fault_time = None
@@ -153,8 +203,8 @@ def train(cluster: Cluster, cfg, fault: str | None = None, at_step: int = 0, sam
         if sample is not None:
             sample()
         if fault and fault_time is None and max((m["step"] for m in steps_of(cfg.run_dir)), default=0) >= at_step:
+            fault_time = time.time()  # a replacement node's start counts in the recovery
             cluster.fault(fault)
-            fault_time = time.time()
         time.sleep(0.05)
     thread.join()
     if error:
@@ -217,15 +267,16 @@ def planned_snapshot_bytes(setup: Setup, cfg, args: argparse.Namespace) -> dict:
     return {"staging": tier.terms["staging buffers"], "in_memory_dir": tier.in_memory_dir}
 
 
-def cluster_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster) -> list[dict]:
+def cluster_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory_dir: Path) -> list[dict]:
     """Per checkpoint mode: the uninterrupted runs (tier off, on), then each fault with the tier off and on."""
     every, steps = args.every, 3 * args.every
     at_step = every + 2  # not a multiple of --every: the stored tier loses 2 steps
     results = []
     for mode in args.modes.split(","):
         base = [f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}", f"train.max_steps={steps}",
-                "train.log_every_n_steps=1", "scaling.max_failures=2", "train.warmup_steps=1"]
-        tier_sets = ["checkpoint.memory_every_n_steps=1", f"checkpoint.memory_dir={setup.work / 'shm'}"]
+                "train.log_every_n_steps=1", "scaling.max_failures=2", "train.warmup_steps=1",
+                f"parallel.sharding={args.sharding}"]
+        tier_sets = [f"checkpoint.memory_every_n_steps={args.memory_every}", f"checkpoint.memory_dir={memory_dir}"]
         faults = [fault for fault in args.faults.split(",") if fault]  # none: the cost and verification only
         if args.cost or set(faults) - {"elastic"}:
             plain = setup.config(*base, f"run.name={mode}-uninterrupted")
@@ -258,7 +309,7 @@ def cost_leg(args: argparse.Namespace, setup: Setup, cluster: Cluster, sets: lis
     """Uninterrupted runs with the tier beside those without, --repeats of each in alternating order (the first
     without is the reference run already trained): step time, bit-exactness, snapshot bytes."""
     off, on, exact, with_tier = [median_step_s(plain)], [], [], None
-    held = SnapshotBytes(setup.work / "shm")
+    held = SnapshotBytes(next(v.split("=", 1)[1] for v in sets if v.startswith("checkpoint.memory_dir=")))
     for repeat in range(args.repeats):
         for tier in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
             if tier == "off" and len(off) > repeat:
@@ -358,16 +409,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-cost", dest="cost", action="store_false", help="with --nodes: no uninterrupted run "
                         "with the tier (its step time, snapshot bytes)")
     parser.add_argument("--verify-gib", type=float, default=0.0, help="with --nodes: the verification leg's size")
+    parser.add_argument("--netns", action="store_true", help="with --nodes 2: the nodes are network namespaces "
+                        "(cluster/netns.sh; needs root), the driver runs in the head's, the faults hit node 1")
+    parser.add_argument("--sharding", default="FULL_SHARD", help="with --nodes: parallel.sharding")
+    parser.add_argument("--memory-every", type=int, default=1, help="checkpoint.memory_every_n_steps when on")
     parser.add_argument("--out", default="runs/bench/recovery.json")
+    parser.add_argument("--driver", metavar="RESULTS", help=argparse.SUPPRESS)  # inside node 0: results here
     args = parser.parse_args(argv)
     if args.nodes and args.modes != "full":
         parser.error("--nodes compares final weights from full checkpoints: --modes full")
+    if args.netns and args.nodes != 2:
+        parser.error("--netns is a cluster of 2 nodes: --nodes 2")
+    if args.netns and not args.driver:
+        return on_namespace_nodes(args, sys.argv[1:] if argv is None else argv)
 
     setup = Setup(args, "recovery")
-    cluster = Cluster(args)
+    cluster = NamespaceNodes(args, netns_cluster_of(os.environ["RAYSFT_BENCH_NETNS"])) if args.driver \
+        else Cluster(args)
+    memory_dir = Path(tempfile.mkdtemp(prefix="raysft-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
         if args.nodes:
-            results = cluster_legs(args, setup, cluster)
+            results = cluster_legs(args, setup, cluster, memory_dir)
             if args.verify_gib:
                 results.append(verify_leg(args, setup, cluster))
                 print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
@@ -377,7 +439,45 @@ def main(argv: list[str] | None = None) -> None:
             table = report(results, args, setup.params)
     finally:
         cluster.shutdown()
+        shutil.rmtree(memory_dir, ignore_errors=True)
+    if args.driver:
+        Path(args.driver).write_text(json.dumps({"results": results, "table": table}))
+        return
     save_results(args.out, args, results, table)
+
+
+def on_namespace_nodes(args: argparse.Namespace, argv: list[str]) -> None:
+    """The host's part of --netns: the namespace cluster up (the test's node-death settings), this script run
+    again as the driver inside node 0, its results saved, the cluster down."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import netns_cluster
+
+    reason = netns_cluster.unavailable()
+    if reason:
+        sys.exit(f"bench: {reason}")
+    cluster = netns_cluster.start(2, cpus=args.workers // 2, ray_env=netns_cluster.NODE_DEATH_ENV)
+    try:
+        results_file = cluster.state / "results.json"
+        bench_dir = Path(__file__).resolve().parent
+        env = cluster.driver_env(PYTHONPATH=os.pathsep.join([str(bench_dir), str(bench_dir.parent)]),
+                                 RAYSFT_BENCH_NETNS=json.dumps({**asdict(cluster), "state": str(cluster.state)}))
+        driver = cluster.popen(0, sys.executable, str(Path(__file__).resolve()), *argv, "--driver", str(results_file),
+                               env=env)
+        if driver.wait():
+            sys.exit(f"bench: the driver in node 0 failed ({driver.returncode})")
+        done = json.loads(results_file.read_text())
+    finally:
+        cluster.down()
+    save_results(args.out, args, done["results"], done["table"])
+
+
+def netns_cluster_of(described: str):
+    """The host's NetnsCluster, from its fields as the driver got them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from netns_cluster import NetnsCluster
+
+    fields = json.loads(described)
+    return NetnsCluster(**{**fields, "state": Path(fields["state"])})
 
 
 def local_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster) -> list[dict]:
@@ -414,9 +514,10 @@ def report(results: list[dict], args: argparse.Namespace, params: int) -> str:
 
 def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> str:
     per_node = args.workers // args.nodes
-    lines = [f"{args.workers} CPU workers FULL_SHARD on {args.nodes} logical Ray nodes of {per_node}, LLaMA of "
+    nodes = "network-namespace nodes" if args.netns else "logical Ray nodes"
+    lines = [f"{args.workers} CPU workers {args.sharding} on {args.nodes} {nodes} of {per_node}, LLaMA of "
              f"{params / 1e6:.1f}M parameters, {3 * args.every} steps, a stored checkpoint every {args.every} steps, "
-             f"the fault at step {args.every + 2}; memory tier every step when on",
+             f"the fault at step {args.every + 2}; memory tier every {args.memory_every} step(s) when on",
              "", "| fault | tier | resumed from (tier) | steps lost | fault to next step (s) | bit-exact |",
              "|---|---|---|---:|---:|---|"]
     for r in results:

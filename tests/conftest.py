@@ -73,12 +73,6 @@ def ray_cluster(ray_head):
         yield
 
 
-# The namespace cluster's GCS declares a node dead after 3 missed health checks, 0.5 s apart, 2 s timeout each
-# (Ray's defaults: 5, 3 s apart, 10 s timeout): the multi-node fault tests wait for that, a killed node's checks
-# failing at once, a cut link's at the timeout. Only speed depends on it.
-NETNS_RAY_ENV = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "2000",
-                 "RAY_health_check_failure_threshold": "3"}
-
 
 @pytest.fixture(scope="session")
 def netns_cluster():
@@ -88,7 +82,7 @@ def netns_cluster():
     reason = netns.unavailable()
     if reason:
         pytest.skip(f"no network-namespace cluster: {reason}")
-    cluster = netns.start(2, cpus=2, ray_env=NETNS_RAY_ENV)
+    cluster = netns.start(2, cpus=2, ray_env=netns.NODE_DEATH_ENV)
     try:
         yield cluster
     finally:
