@@ -268,40 +268,49 @@ def planned_snapshot_bytes(setup: Setup, cfg, args: argparse.Namespace) -> dict:
 
 
 def cluster_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory_dir: Path) -> list[dict]:
-    """Per checkpoint mode: the uninterrupted runs (tier off, on), then each fault with the tier off and on."""
-    every, steps = args.every, 3 * args.every
-    at_step = every + 2  # not a multiple of --every: the stored tier loses 2 steps
+    """Per checkpoint mode and layout: the uninterrupted runs (tier off, on), then each fault with the tier off and
+    on."""
     results = []
     for mode in args.modes.split(","):
-        base = [f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}", f"train.max_steps={steps}",
-                "train.log_every_n_steps=1", "scaling.max_failures=2", "train.warmup_steps=1",
-                f"parallel.sharding={args.sharding}"]
-        tier_sets = [f"checkpoint.memory_every_n_steps={args.memory_every}", f"checkpoint.memory_dir={memory_dir}"]
-        faults = [fault for fault in args.faults.split(",") if fault]  # none: the cost and verification only
-        if args.cost or set(faults) - {"elastic"}:
-            plain = setup.config(*base, f"run.name={mode}-uninterrupted")
-            train(cluster, plain)
-            reference = (final_losses(plain.run_dir), final_weights(plain))
-        if args.cost:
-            results.append(cost_leg(args, setup, cluster, base + tier_sets, plain, reference))
-            print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
-        shrunk = {}
-        for fault in faults:
-            # elastic: a global batch that every worker count from min_workers up divides
-            extra = [f"scaling.min_workers={args.workers - args.workers // args.nodes}", "train.micro_batch_size=1",
-                     f"train.global_batch_size={math.lcm(*range(1, args.workers + 1))}"] if fault == "elastic" else []
-            for tier in args.tier.split(","):
-                for repeat in range(args.repeats):
-                    cfg = setup.config(*base, *extra, *(tier_sets if tier == "on" else []),
-                                       f"run.name={mode}-{fault}-tier-{tier}-{repeat}")
-                    row = recovery_row(cfg, train(cluster, cfg, fault, at_step))
-                    if fault == "elastic":
-                        key = (row["resumed_from"], row["world_size_after"])
-                        shrunk[key] = shrunk.get(key) or shrink_reference(cluster, setup, base + extra, mode, *key)
-                    row["bit_exact"] = same_run(cfg, shrunk[key] if fault == "elastic" else reference)
-                    results.append({"variant": f"{mode} {fault} tier {tier}", "fault": fault, "tier_on": tier == "on",
-                                    **row})
-                    print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+        for sharding in args.sharding.split(","):
+            results += layout_legs(args, setup, cluster, memory_dir, mode, sharding)
+    return results
+
+
+def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory_dir: Path, mode: str,
+                sharding: str) -> list[dict]:
+    every, steps, label = args.every, 3 * args.every, f"{mode}-{sharding.lower()}"
+    at_step = args.fault_at or every + 2  # not a multiple of --every: the stored tier loses at_step % every steps
+    base = [f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}", f"train.max_steps={steps}",
+            "train.log_every_n_steps=1", "scaling.max_failures=2", "train.warmup_steps=1",
+            f"parallel.sharding={sharding}"]
+    tier_sets = [f"checkpoint.memory_every_n_steps={args.memory_every}", f"checkpoint.memory_dir={memory_dir}"]
+    faults = [fault for fault in args.faults.split(",") if fault]  # none: the cost and verification only
+    results = []
+    if args.cost or set(faults) - {"elastic"}:
+        plain = setup.config(*base, f"run.name={label}-uninterrupted")
+        train(cluster, plain)
+        reference = (final_losses(plain.run_dir), final_weights(plain))
+    if args.cost:
+        results.append({**cost_leg(args, setup, cluster, base + tier_sets, plain, reference), "sharding": sharding})
+        print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+    shrunk = {}
+    for fault in faults:
+        # elastic: a global batch that every worker count from min_workers up divides
+        extra = [f"scaling.min_workers={args.workers - args.workers // args.nodes}", "train.micro_batch_size=1",
+                 f"train.global_batch_size={math.lcm(*range(1, args.workers + 1))}"] if fault == "elastic" else []
+        for tier in args.tier.split(","):
+            for repeat in range(args.repeats):
+                cfg = setup.config(*base, *extra, *(tier_sets if tier == "on" else []),
+                                   f"run.name={label}-{fault}-tier-{tier}-{repeat}")
+                row = recovery_row(cfg, train(cluster, cfg, fault, at_step))
+                if fault == "elastic":
+                    key = (row["resumed_from"], row["world_size_after"])
+                    shrunk[key] = shrunk.get(key) or shrink_reference(cluster, setup, base + extra, label, *key)
+                row["bit_exact"] = same_run(cfg, shrunk[key] if fault == "elastic" else reference)
+                results.append({"variant": f"{label} {fault} tier {tier}", "sharding": sharding, "fault": fault,
+                                "tier_on": tier == "on", **row})
+                print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
     return results
 
 
@@ -411,7 +420,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify-gib", type=float, default=0.0, help="with --nodes: the verification leg's size")
     parser.add_argument("--netns", action="store_true", help="with --nodes 2: the nodes are network namespaces "
                         "(cluster/netns.sh; needs root), the driver runs in the head's, the faults hit node 1")
-    parser.add_argument("--sharding", default="FULL_SHARD", help="with --nodes: parallel.sharding")
+    parser.add_argument("--sharding", default="FULL_SHARD", help="with --nodes: parallel.sharding, or several, "
+                        "comma-separated, run one after another")
+    parser.add_argument("--fault-at", type=int, default=0, help="with --nodes: the step the fault follows "
+                        "(default: --every + 2)")
     parser.add_argument("--memory-every", type=int, default=1, help="checkpoint.memory_every_n_steps when on")
     parser.add_argument("--out", default="runs/bench/recovery.json")
     parser.add_argument("--driver", metavar="RESULTS", help=argparse.SUPPRESS)  # inside node 0: results here
@@ -517,20 +529,21 @@ def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> 
     nodes = "network-namespace nodes" if args.netns else "logical Ray nodes"
     lines = [f"{args.workers} CPU workers {args.sharding} on {args.nodes} {nodes} of {per_node}, LLaMA of "
              f"{params / 1e6:.1f}M parameters, {3 * args.every} steps, a stored checkpoint every {args.every} steps, "
-             f"the fault at step {args.every + 2}; memory tier every {args.memory_every} step(s) when on",
-             "", "| fault | tier | resumed from (tier) | steps lost | fault to next step (s) | bit-exact |",
-             "|---|---|---|---:|---:|---|"]
+             f"the fault at step {args.fault_at or args.every + 2}; memory tier every {args.memory_every} step(s) "
+             "when on", "", "| layout | fault | tier | resumed from (tier) | steps lost | fault to next step (s) "
+             "| bit-exact |", "|---|---|---|---|---:|---:|---|"]
     for r in results:
         if "fault" in r:
             refused = f"; refused: {r['memory_tier_not_used'][0]}" if r["memory_tier_not_used"] else ""
-            lines.append(f"| {r['fault']} | {'on' if r['tier_on'] else 'off'} | {r['resumed_from']} ({r['tier']}"
+            lines.append(f"| {r['sharding']} | {r['fault']} | {'on' if r['tier_on'] else 'off'} | "
+                         f"{r['resumed_from']} ({r['tier']}"
                          f"{refused}) | {r['steps_lost']} | {r['recovery_s']} | {'yes' if r['bit_exact'] else 'NO'} |")
     for r in results:
         if r["variant"] == "cost":
             held = ", ".join(f"{v / 2**20:.1f}" for v in r["snapshot_bytes_peak_per_node"].values())
-            lines += ["", f"{r['variant']}: median step {r['step_s_tier_off']:.3f} s without the tier, "
-                          f"{r['step_s_tier_on']:.3f} s with it every step (median of {len(r['runs_on'])} runs "
-                          f"each, alternating) "
+            lines += ["", f"cost ({r['sharding']}): median step {r['step_s_tier_off']:.3f} s without the tier, "
+                          f"{r['step_s_tier_on']:.3f} s with it every {args.memory_every} step(s) "
+                          f"(median of {len(r['runs_on'])} runs each, alternating) "
                           f"({r['step_s_tier_on'] / r['step_s_tier_off'] - 1:+.1%}); bit-exact: {r['bit_exact']}; "
                           f"peak MiB in memory_dir per node: {held} (plan: "
                           f"{r['planned_per_node']['in_memory_dir'] / 2**20:.1f}, beside "
