@@ -279,6 +279,8 @@ def cluster_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memor
 
 def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory_dir: Path, mode: str,
                 sharding: str) -> list[dict]:
+    from raysft.errors import ConfigError
+
     every, steps, label = args.every, 3 * args.every, f"{mode}-{sharding.lower()}"
     at_step = args.fault_at or every + 2  # not a multiple of --every: the stored tier loses at_step % every steps
     base = [f"checkpoint.mode={mode}", f"checkpoint.every_n_steps={every}", f"train.max_steps={steps}",
@@ -299,6 +301,12 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
         # elastic: a global batch that every worker count from min_workers up divides
         extra = [f"scaling.min_workers={args.workers - args.workers // args.nodes}", "train.micro_batch_size=1",
                  f"train.global_batch_size={math.lcm(*range(1, args.workers + 1))}"] if fault == "elastic" else []
+        try:
+            setup.config(*base, *extra, f"scaling.num_workers={args.workers - args.workers // args.nodes}")
+        except ConfigError as e:  # HYBRID_SHARD on what is left of 2 nodes: one replica, refused
+            results.append({"variant": f"{label} {fault}", "sharding": sharding, "fault": fault, "refused": str(e)})
+            print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+            continue
         for tier in args.tier.split(","):
             for repeat in range(args.repeats):
                 cfg = setup.config(*base, *extra, *(tier_sets if tier == "on" else []),
@@ -533,7 +541,10 @@ def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> 
              "when on", "", "| layout | fault | tier | resumed from (tier) | steps lost | fault to next step (s) "
              "| bit-exact |", "|---|---|---|---|---:|---:|---|"]
     for r in results:
-        if "fault" in r:
+        if "refused" in r:
+            lines.append(f"| {r['sharding']} | {r['fault']} | — | not run: the layout left after the fault is "
+                         f"refused by the config ({r['refused']}) | | | |")
+        elif "fault" in r:
             refused = f"; refused: {r['memory_tier_not_used'][0]}" if r["memory_tier_not_used"] else ""
             lines.append(f"| {r['sharding']} | {r['fault']} | {'on' if r['tier_on'] else 'off'} | "
                          f"{r['resumed_from']} ({r['tier']}"

@@ -107,17 +107,18 @@ def local_ray_gone(out: str) -> list[int]:
 
 
 def test_signals_to_two_local_runs_beside_each_other(tmp_path):
-    """Run A under a RAY_TMPDIR of over 60 characters, run B beside it. Ctrl-C to B's process group: B exits 130 at
-    once, without a checkpoint or a traceback. SIGTERM to A's driver: A exits 143 with a checkpoint of the step it
-    was at and says how to resume. Neither leaves a process of its Ray or its lease, and neither terminal shows
-    Ray's lines about the other Ray or its own notices."""
+    """Run A under a RAY_TMPDIR of over 60 characters, run B beside it, both with the memory tier every step.
+    Ctrl-C to B's process group: B exits 130 at once, without a checkpoint or a traceback. SIGTERM to A's driver: A
+    exits 143 with a checkpoint of the step it was at and says how to resume. Neither leaves a process of its Ray,
+    its lease or a snapshot in memory, and neither terminal shows Ray's lines about the other Ray or its own
+    notices."""
     long_tmp = tmp_path / "scratch-of-a-cluster-job" / "job-0042-with-a-long-name" / "raytmp"
     long_tmp.mkdir(parents=True)
     assert len(str(long_tmp)) >= 60
     storage = tmp_path / "runs"
     with cli_env() as env_b:
-        a = start_train(tmp_path, "a", {**env_b, "RAY_TMPDIR": str(long_tmp)}, storage)
-        b = start_train(tmp_path, "b", env_b, storage, **{"scaling.num_workers": 1})
+        a = start_train(tmp_path, "a", {**env_b, "RAY_TMPDIR": str(long_tmp)}, storage, **tier(tmp_path / "shm-a"))
+        b = start_train(tmp_path, "b", env_b, storage, **{"scaling.num_workers": 1, **tier(tmp_path / "shm-b")})
         try:
             wait_for_step(storage / "b", b, 2)
             os.killpg(b.pid, signal.SIGINT)  # what Ctrl-C on B's terminal sends
@@ -136,6 +137,7 @@ def test_signals_to_two_local_runs_beside_each_other(tmp_path):
     logs = re.search(r"its logs: (\S+)", a_out).group(1)
     assert Path(logs).is_dir() and re.search(rf"linked from {re.escape(str(long_tmp))}/raysft-ray-\w+", a_out)
     assert local_ray_gone(a_out) == [] and local_ray_gone(b_out) == []  # GCS, raylet, workers: all gone
+    assert [*(tmp_path / "shm-a").rglob("*"), *(tmp_path / "shm-b").rglob("*")] == []  # nor a snapshot
     for terminal in (a_out + a_err, b_out + b_err):
         assert ray_noise(terminal) == [] and "raysft: run " in terminal
     assert "step 2/" in "".join(raysft_lines(a_out))  # the workers' lines still reach the terminal
@@ -229,12 +231,13 @@ def trained_since_resume(run_dir: Path) -> bool:
 
 
 def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_exits(tmp_path):
-    """torchrun's agent forwards SIGTERM to both ranks; they agree on one step, checkpoint it and exit 143."""
+    """torchrun's agent forwards SIGTERM to both ranks; they agree on one step, checkpoint it and exit 143, leaving
+    no snapshot of the memory tier."""
     import psutil
 
     storage = tmp_path / "runs"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "raysft.run",
-           *sets(storage, "t")]
+           *sets(storage, "t", **tier(tmp_path / "shm"))]
     env = {"PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false", "HOME": str(tmp_path)}
     with open(tmp_path / "t.err", "w") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -252,6 +255,12 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_and_exits(tmp_path):
     assert len(ranks) == 2
     for rank in ranks:
         assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
+    assert list((tmp_path / "shm").rglob("*")) == []
+
+
+def tier(memory_dir: Path) -> dict:
+    """The memory tier every step, its snapshots in memory_dir (made by the run)."""
+    return {"checkpoint.memory_every_n_steps": 1, "checkpoint.memory_dir": str(memory_dir)}
 
 
 def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctrl_c():

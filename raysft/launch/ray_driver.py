@@ -38,7 +38,7 @@ from raysft.launch.ray_worker import (
     recorded_run_ending,
     train_worker,
 )
-from raysft.launch.signals import DriverSignals
+from raysft.launch.signals import DriverSignals, Stopped
 from raysft.parallel.collectives import process_group_backend
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.storage import Location, location
@@ -71,7 +71,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 
 
 def _fit(config: TrainConfig, stores: Stores) -> Result:
-    connect_ray(config.scaling)
+    own_local_ray = connect_ray(config.scaling)
     check_cluster_can_place(config.scaling)
     check_hsdp_shard_size_fits_nodes(config.parallel, config.scaling.num_workers, workers_per_node(config.scaling))
     s = config.scaling
@@ -103,6 +103,10 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: request_stop(stop_flag))
     try:
         return signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
+    except Stopped:
+        if own_local_ray and config.checkpoint.memory_every_n_steps:
+            ray.shutdown()  # its workers may still train (Ctrl-C): they end before their snapshots are removed
+        raise
     except ControllerError as e:
         if isinstance(e.controller_failure, RunEnded):
             raise recorded_run_ending(config.run_dir) or RuntimeError(str(e.controller_failure)) from None
@@ -114,7 +118,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             f"start with fewer, or wait longer. Ray's error: {e.controller_failure}") from e
     finally:
         if config.checkpoint.memory_every_n_steps:  # however the run ended, its snapshots in memory go
-            remove_snapshots(config)
+            remove_snapshots(config, other_hosts=not own_local_ray)
 
 
 class RunEnded(Exception):
@@ -137,16 +141,19 @@ class EndRunOnRecordedError(UserCallback):
                                            f"error in {self.run_dir}"))
 
 
-def remove_snapshots(config: TrainConfig, timeout_s: float = 30.0) -> None:
+def remove_snapshots(config: TrainConfig, other_hosts: bool = True, timeout_s: float = 30.0) -> None:
     """The memory tier's snapshots of the run (raysft.checkpoint.memory): of no use once the run ended, and
-    node-local shared memory is freed by nobody else. This host's go at once (every node's, on a one-host cluster);
-    the other hosts' through a task on each node Ray has alive, in a thread the driver waits for at most timeout_s
-    (after a signal to the whole job Ray itself may be gone, and a call into it would not return)."""
+    node-local shared memory is freed by nobody else. This host's go at once (every node's, on a one-host cluster:
+    a local Ray the driver started has no other host); with `other_hosts`, theirs through a task on each node Ray
+    has alive, in a thread the driver waits for at most timeout_s (after a signal to the whole job Ray itself may
+    be gone, and a call into it would not return)."""
     try:
         run_id = read_run_id(config.run_dir)
     except (OSError, ValueError):
         return  # no record of the run: nothing of it was snapshotted
     remove_run(config.checkpoint.memory_dir, run_id)
+    if not other_hosts:
+        return
 
     def on_every_node() -> None:  # but this host, whose snapshots (every node's of a one-host cluster) went above
         here = ray.util.get_node_ip_address()
@@ -202,15 +209,16 @@ def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(num_to_keep=config.checkpoint.keep)
 
 
-def connect_ray(scaling: RaysftScaling) -> None:
+def connect_ray(scaling: RaysftScaling) -> bool:
     """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
-    with just enough logical CPUs for the workers."""
+    with just enough logical CPUs for the workers; whether it started one."""
     local = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
     if local:
         print(f"raysft: a local Ray of its own; its logs: {local.logs}", flush=True)
         if local.linked_from:
             print(f"raysft: (RAY_TMPDIR is too long for Ray's socket paths: linked from {local.linked_from})",
                   flush=True)
+    return local is not None
 
 
 def start_timeout_s() -> float:
