@@ -60,12 +60,42 @@ RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTI
 NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
 
 
-def tick_the_autoscaling_coordinator_often() -> None:
-    """A worker_process_setup_hook: Ray Train's elastic policy sizes the group from this coordinator's view of the
-    nodes, refreshed once per tick (as tests/fault_injection.py does)."""
+SNAPSHOT_TIMES_ENV = "RAYSFT_BENCH_SNAPSHOT_TIMES"  # a directory: each worker's snapshot calls' durations
+
+
+def worker_setup() -> None:
+    """A worker_process_setup_hook. Ray Train's elastic policy sizes the group from the autoscaling coordinator's
+    view of the nodes, refreshed once per tick: tick often (as tests/fault_injection.py does). With
+    $RAYSFT_BENCH_SNAPSHOT_TIMES, every MemoryTier.snapshot call that takes a snapshot notes how long it held the
+    training loop (the staging copy, the RNG states, the ranks' agreement: the part of the tier on the step's path;
+    the file and the copy off the node are written in the tier's thread)."""
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
 
     coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S = 1
+    where = os.environ.get(SNAPSHOT_TIMES_ENV)
+    if not where:
+        return
+    from raysft.checkpoint.memory import MemoryTier
+
+    real = MemoryTier.snapshot
+
+    def timed(self, state, held=()):
+        began = time.perf_counter()
+        taken = real(self, state, held)
+        if taken:
+            with (Path(where) / f"{os.getpid()}.txt").open("a") as f:
+                f.write(f"{time.perf_counter() - began}\n")
+        return taken
+
+    MemoryTier.snapshot = timed
+
+
+def worker_env() -> dict:
+    """The train workers' environment: the bench's modules and this checkout on the path, the fault tests' Ray
+    Train timings, the snapshot timing's directory."""
+    here = Path(__file__).resolve().parent
+    return {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)]), **RAY_TRAIN_ENV,
+            **({SNAPSHOT_TIMES_ENV: os.environ[SNAPSHOT_TIMES_ENV]} if SNAPSHOT_TIMES_ENV in os.environ else {})}
 
 
 class Cluster:
@@ -88,8 +118,7 @@ class Cluster:
         for _ in range(args.nodes):
             self.add_node()
         ray.init(address=self.nodes.address, log_to_driver=False, runtime_env={
-            "env_vars": {**env, **RAY_TRAIN_ENV},
-            "worker_process_setup_hook": "recovery.tick_the_autoscaling_coordinator_often"})
+            "env_vars": worker_env(), "worker_process_setup_hook": "recovery.worker_setup"})
 
     def add_node(self) -> None:
         self.nodes.add_node(num_cpus=self.args.workers // self.args.nodes)
@@ -132,10 +161,8 @@ class NamespaceNodes:
 
         self.args, self.netns, self.nodes = args, netns, netns.nodes
         os.environ.update(RAY_TRAIN_ENV)
-        env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent)])}
         ray.init(address=netns.head, log_to_driver=False, runtime_env={
-            "env_vars": {**env, **RAY_TRAIN_ENV},
-            "worker_process_setup_hook": "recovery.tick_the_autoscaling_coordinator_often"})
+            "env_vars": worker_env(), "worker_process_setup_hook": "recovery.worker_setup"})
 
     def settle(self) -> None:
         import ray
@@ -302,7 +329,8 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
         extra = [f"scaling.min_workers={args.workers - args.workers // args.nodes}", "train.micro_batch_size=1",
                  f"train.global_batch_size={math.lcm(*range(1, args.workers + 1))}"] if fault == "elastic" else []
         try:
-            setup.config(*base, *extra, f"scaling.num_workers={args.workers - args.workers // args.nodes}")
+            if fault == "elastic":
+                setup.config(*base, *extra, f"scaling.num_workers={args.workers - args.workers // args.nodes}")
         except ConfigError as e:  # HYBRID_SHARD on what is left of 2 nodes: one replica, refused
             results.append({"variant": f"{label} {fault}", "sharding": sharding, "fault": fault, "refused": str(e)})
             print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
@@ -325,20 +353,25 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
 def cost_leg(args: argparse.Namespace, setup: Setup, cluster: Cluster, sets: list[str], plain, reference) -> dict:
     """Uninterrupted runs with the tier beside those without, --repeats of each in alternating order (the first
     without is the reference run already trained): step time, bit-exactness, snapshot bytes."""
-    off, on, exact, with_tier = [median_step_s(plain)], [], [], None
+    off, on, exact, with_tier, calls = [median_step_s(plain)], [], [], None, []
     held = SnapshotBytes(next(v.split("=", 1)[1] for v in sets if v.startswith("checkpoint.memory_dir=")))
+    times = Path(os.environ[SNAPSHOT_TIMES_ENV])
     for repeat in range(args.repeats):
         for tier in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
             if tier == "off" and len(off) > repeat:
                 continue
             cfg = setup.config(*(sets if tier == "on" else [s for s in sets if "memory" not in s]),
                                f"run.name={plain.run.name}-cost-{tier}-{repeat}")
+            shutil.rmtree(times, ignore_errors=True)
+            times.mkdir(parents=True)
             train(cluster, cfg, sample=held if tier == "on" else None)
+            calls += [float(t) for f in times.glob("*.txt") for t in f.read_text().split()]
             (on if tier == "on" else off).append(median_step_s(cfg))
             with_tier = cfg if tier == "on" else with_tier
             exact.append(same_run(cfg, reference))
     return {"variant": "cost", "step_s_tier_off": statistics.median(off), "step_s_tier_on": statistics.median(on),
-            "runs_off": off, "runs_on": on, "bit_exact": all(exact), "snapshot_bytes_peak_per_node": held.peak,
+            "runs_off": off, "runs_on": on, "snapshot_call_s": statistics.median(calls) if calls else None,
+            "snapshot_calls": len(calls), "bit_exact": all(exact), "snapshot_bytes_peak_per_node": held.peak,
             "planned_per_node": planned_snapshot_bytes(setup, with_tier, args)}
 
 
@@ -444,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
         return on_namespace_nodes(args, sys.argv[1:] if argv is None else argv)
 
     setup = Setup(args, "recovery")
+    os.environ[SNAPSHOT_TIMES_ENV] = str(setup.work / "snapshot-times")
     cluster = NamespaceNodes(args, netns_cluster_of(os.environ["RAYSFT_BENCH_NETNS"])) if args.driver \
         else Cluster(args)
     memory_dir = Path(tempfile.mkdtemp(prefix="raysft-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
@@ -555,7 +589,9 @@ def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> 
             lines += ["", f"cost ({r['sharding']}): median step {r['step_s_tier_off']:.3f} s without the tier, "
                           f"{r['step_s_tier_on']:.3f} s with it every {args.memory_every} step(s) "
                           f"(median of {len(r['runs_on'])} runs each, alternating) "
-                          f"({r['step_s_tier_on'] / r['step_s_tier_off'] - 1:+.1%}); bit-exact: {r['bit_exact']}; "
+                          f"({r['step_s_tier_on'] / r['step_s_tier_off'] - 1:+.1%}), of which the snapshot call "
+                          f"held the step {(r['snapshot_call_s'] or 0) * 1e3:.1f} ms (median of "
+                          f"{r['snapshot_calls']}); bit-exact: {r['bit_exact']}; "
                           f"peak MiB in memory_dir per node: {held} (plan: "
                           f"{r['planned_per_node']['in_memory_dir'] / 2**20:.1f}, beside "
                           f"{r['planned_per_node']['staging'] / 2**20:.1f} staged)"]
