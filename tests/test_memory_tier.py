@@ -74,7 +74,7 @@ def launch_with_short_memory(ctx, cfg, failing_rank: int, where: str, at_step: i
     from raysft.checkpoint import memory
     from raysft.training.trainer import Trainer
 
-    real_write, real_map_new, real_step = memory._write, memory._map_new, Trainer.train_step
+    real_write, real_map_new, real_step = memory.write_part, memory.map_new, Trainer.train_step
     step_of = {}
 
     def full(path) -> OSError:
@@ -97,25 +97,44 @@ def launch_with_short_memory(ctx, cfg, failing_rank: int, where: str, at_step: i
         self.memory.finish()
         return real_step(self, *args, **kwargs)
 
-    memory._write, memory._map_new, Trainer.train_step = write, map_new, train_step
+    memory.write_part, memory.map_new, Trainer.train_step = write, map_new, train_step
     try:
         return launch_on_own_node(ctx, cfg)
     finally:
-        memory._write, memory._map_new, Trainer.train_step = real_write, real_map_new, real_step
+        memory.write_part, memory.map_new, Trainer.train_step = real_write, real_map_new, real_step
+
+
+def launch_without_room_to_receive(ctx, cfg) -> dict:
+    """launch_on_own_node, with rank 1's node out of room for a part sent to it at the resume."""
+    from raysft.checkpoint import memory
+
+    real_map_new = memory.map_new
+
+    def map_new(path, size):
+        if ctx.rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_map_new(path, size)
+
+    memory.map_new = map_new
+    try:
+        return launch_on_own_node(ctx, cfg)
+    finally:
+        memory.map_new = real_map_new
 
 
 def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
     """launch_on_own_node, every snapshot taken, with rank 1's process killed while it writes its part of the
     snapshot of `at_step` (part of the file is on disk under its temporary name)."""
     from raysft.checkpoint import memory
+    from raysft.checkpoint.memory_files import temporary
     from raysft.training.trainer import Trainer
 
-    real_write, real_step = memory._write, Trainer.train_step
+    real_write, real_step = memory.write_part, Trainer.train_step
 
     def write(path, tensors, header):
         if ctx.rank == 1 and header["step"] == at_step:
-            memory._tmp(path).parent.mkdir(parents=True, exist_ok=True)
-            memory._tmp(path).write_bytes(b"\0" * 4096)
+            temporary(path).parent.mkdir(parents=True, exist_ok=True)
+            temporary(path).write_bytes(b"\0" * 4096)
             os._exit(9)
         real_write(path, tensors, header)
 
@@ -123,11 +142,11 @@ def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
         self.memory.finish()
         return real_step(self, *args, **kwargs)
 
-    memory._write, Trainer.train_step = write, train_step
+    memory.write_part, Trainer.train_step = write, train_step
     try:
         return launch_on_own_node(ctx, cfg)
     finally:
-        memory._write, Trainer.train_step = real_write, real_step
+        memory.write_part, Trainer.train_step = real_write, real_step
 
 
 def node_dir(cfg, node: str) -> Path:
@@ -228,6 +247,19 @@ def test_with_every_nodes_snapshots_gone_the_stored_checkpoint_is_used_and_the_l
     gloo_pool.run(launch_on_own_node, cfg)
     records = read_metrics(cfg.run_dir)
     assert [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"] == ["no snapshot in memory"]
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+def test_with_no_room_for_a_part_sent_at_the_resume_the_stored_checkpoint_is_used_and_the_log_says_why(
+        tmp_path, gloo_pool, uninterrupted, faulted):
+    cfg = continue_copy(faulted, tmp_path)
+    shutil.rmtree(node_dir(cfg, "node1"))  # rank 1's part of step 8 is on node 0 only: it must be sent over
+    gloo_pool.run(launch_without_room_to_receive, cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"] == [
+        f"rank 1 has no room for its part of step {FAULT_AT}: OSError: [Errno 28] No space left on device: "
+        f"'{node_dir(cfg, 'node1')}/step_{FAULT_AT:08d}/rank_1.safetensors'"]
     assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 

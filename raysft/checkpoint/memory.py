@@ -18,17 +18,16 @@ buffer of its size in the process; a node keeps its newest 2 steps, the older re
 copy is sent: the replica's file stands in for it (only the RNG state differs, and every file carries every
 rank's).
 
-Resume (`MemoryTier.restore`, collective): every rank lists what its node holds; the newest step whose every part
-is held somewhere wins if it is newer than the stored checkpoint; a rank whose part is on another node receives it
-from a rank there. Shards are cut by the layout, so a snapshot resumes on the same number of workers and the same
+Resume (collective): every rank lists what its node holds (`newest_whole`); the newest step whose every part is
+held somewhere wins if it is newer than the stored checkpoint; a rank whose part is on another node receives it
+from a rank there (`fetch`: with no room for it, the stored checkpoint is used); each rank loads its part
+(`restore`). Shards are cut by the layout, so a snapshot resumes on the same number of workers and the same
 sharding only; otherwise, and when no step is whole, the stored checkpoint is used, and the log says why.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,11 +36,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from raysft.checkpoint.memory_files import commit, map_file, map_new, read_header, temporary, write_part
 from raysft.checkpoint.state import (
     TrainingObjects,
     TrainState,
@@ -54,7 +53,6 @@ from raysft.errors import CheckpointError
 from raysft.parallel.collectives import default_device
 
 FORMAT = 1
-HEADER_KEY = "raysft_memory"
 STEP_PREFIX = "step_"
 
 
@@ -176,7 +174,7 @@ class MemoryTier:
         path, error = self._file(step, self.rank), None
         try:
             self._prune(self.keep - 1)  # the newest whole step stays while this one is written: `keep` at most
-            _write(path, tensors, header)
+            write_part(path, tensors, header)
         except OSError as e:  # the partner still takes part in the exchange, or its thread would wait for ours
             path, error = None, e
         self._exchange(step, path)
@@ -193,13 +191,13 @@ class MemoryTier:
         nothing to send, or no room to receive, says so first, and the exchange ends on both sides without it."""
         if self.send_to is None:
             return
-        data = _map(path) if path is not None else torch.empty(0, dtype=torch.uint8)
+        data = map_file(path) if path is not None else torch.empty(0, dtype=torch.uint8)
         size, incoming = torch.tensor([data.numel() if path is not None else -1]), torch.zeros(1, dtype=torch.int64)
         _pair(size, self.send_to, incoming, self.recv_from, self.group)
         target, received, error = self._file(step, self.recv_from), None, None
         if incoming.item() >= 0:
             try:
-                received = _map_new(target, int(incoming.item()))
+                received = map_new(target, int(incoming.item()))
             except OSError as e:
                 error = e
         accepted, partner_accepted = torch.tensor([int(received is not None)]), torch.zeros(1, dtype=torch.int64)
@@ -215,7 +213,7 @@ class MemoryTier:
                 time.sleep(max(0.0, sent / (self.copy_mb_per_s * 1e6) - (time.monotonic() - began)))
         if received is not None:
             del received, into
-            _commit(target)
+            commit(target)
         if error is not None:
             raise error
 
@@ -263,7 +261,7 @@ class MemoryTier:
         """What this rank's node holds of the run (every rank of a node lists the same; that is harmless)."""
         found = []
         for path in sorted(self.dir.glob(f"{STEP_PREFIX}*/rank_*.safetensors")):
-            header = _header(path)
+            header = read_header(path)
             if header is None or header.get("run_id") != self.run_id or header.get("format") != FORMAT:
                 continue
             found.append(Held(header["step"], header["rank"], self.rank, header["replica"], header["replicated"],
@@ -289,11 +287,42 @@ class MemoryTier:
             chosen[rank] = (local or sorted(candidates, key=lambda h: h.holder))[0]
         return chosen, ""
 
+    def fetch(self, step: int, sources: dict[int, Held]) -> str:
+        """Collective: every part held only on another node than its rank's is sent to that rank (and kept on its
+        node, for a fault to come). Returns "" once every rank has its part at hand, else why not, the same on
+        every rank (a rank with no room left for its part, say): the stored checkpoint is used then."""
+        moves = [(rank, held) for rank, held in sorted(sources.items()) if self.nodes[held.holder] != self.nodes[rank]]
+        outgoing = [(rank, map_file(self._file(step, held.rank))) for rank, held in moves if held.holder == self.rank]
+        source = next((held.holder for rank, held in moves if rank == self.rank), None)
+        size = torch.zeros(1, dtype=torch.int64)
+        _run([*(dist.P2POp(dist.isend, torch.tensor([d.numel()]), r, self.group) for r, d in outgoing),
+              *([dist.P2POp(dist.irecv, size, source, self.group)] if source is not None else [])])
+        path, incoming, error = self._file(step, self.rank), None, None
+        if source is not None:
+            try:
+                incoming = map_new(path, int(size))
+            except OSError as e:
+                error = f"rank {self.rank} has no room for its part of step {step}: {type(e).__name__}: {e}"
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        if any(errors):
+            del incoming
+            temporary(path).unlink(missing_ok=True)
+            return "; ".join(e for e in errors if e)
+        _run([*(dist.P2POp(dist.isend, d, r, self.group) for r, d in outgoing),
+              *([dist.P2POp(dist.irecv, incoming, source, self.group)] if source is not None else [])])
+        del incoming, outgoing
+        dist.barrier(self.group)
+        if source is not None:
+            commit(path)
+        return ""
+
     def restore(self, step: int, sources: dict[int, Held]) -> tuple[TrainState, list]:
-        """Collective: load the snapshot of `step`: parts held on another node are sent over first, then each
-        rank loads its own part. Returns the state to go on from and the metrics rows held with it."""
-        path = self._receive(step, sources)
-        header, tensors = _header(path), load_file(path)
+        """Collective: load the snapshot of `step` (every part at hand: `fetch`), each rank its own part. Returns
+        the state to go on from and the metrics rows held with it."""
+        held_here = self.nodes[sources[self.rank].holder] == self.nodes[self.rank]
+        path = self._file(step, sources[self.rank].rank if held_here else self.rank)
+        header, tensors = read_header(path), load_file(path)
         model_sd, optim_sd = get_state_dict(self.objs.model, self.objs.optimizer,
                                             options=state_dict_options(self.objs.model))
         for name, target in _flatten(model_sd, optim_sd).items():
@@ -311,26 +340,6 @@ class MemoryTier:
         values = tensors.get("metrics.values")
         held = [(start, host, values[i]) for i, (start, host) in enumerate(header["metrics_rows"])]
         return restore_trainer_state(header["trainer_state"], self.objs), held
-
-    def _receive(self, step: int, sources: dict[int, Held]) -> Path:
-        """Collective: every part held only on another node than its rank's is sent to that rank (and kept on its
-        node, for a fault to come); returns the file this rank loads."""
-        moves = [(rank, held) for rank, held in sorted(sources.items()) if self.nodes[held.holder] != self.nodes[rank]]
-        outgoing = [(rank, _map(self._file(step, held.rank))) for rank, held in moves if held.holder == self.rank]
-        source = next((held.holder for rank, held in moves if rank == self.rank), None)
-        size = torch.zeros(1, dtype=torch.int64)
-        _run([*(dist.P2POp(dist.isend, torch.tensor([d.numel()]), r, self.group) for r, d in outgoing),
-              *([dist.P2POp(dist.irecv, size, source, self.group)] if source is not None else [])])
-        path = self._file(step, self.rank)
-        incoming = _map_new(path, int(size)) if source is not None else None
-        _run([*(dist.P2POp(dist.isend, d, r, self.group) for r, d in outgoing),
-              *([dist.P2POp(dist.irecv, incoming, source, self.group)] if source is not None else [])])
-        del incoming, outgoing
-        dist.barrier(self.group)
-        if source is None:
-            return self._file(step, sources[self.rank].rank)
-        _commit(path)
-        return path
 
 
 def partners(nodes: list[str], rank: int) -> tuple[int | None, int | None]:
@@ -358,36 +367,6 @@ def _run(ops: list[dist.P2POp]) -> None:
         work.wait()
 
 
-def _map(path: Path) -> torch.Tensor:
-    """A file's bytes to send, mapped rather than read: in node-local shared memory they are the file's own pages,
-    so sending a part costs no second copy of it in the process."""
-    return torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
-
-
-def _map_new(path: Path, size: int) -> torch.Tensor:
-    """A file of `size` bytes under `path`'s temporary name (`_commit` renames it), mapped to receive into: a part
-    received from another node goes straight into the directory, not through a buffer of the process."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(path)
-    try:
-        with tmp.open("wb") as f:
-            if size:  # the room taken now: a full /dev/shm is an OSError here, not a SIGBUS on a page written later
-                os.posix_fallocate(f.fileno(), 0, size)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    return torch.from_file(str(tmp), shared=True, size=size, dtype=torch.uint8)
-
-
-def _commit(path: Path) -> None:
-    """The file received under `path`'s temporary name, whole: now it counts."""
-    _tmp(path).rename(path)
-
-
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
-
-
 def _flatten(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
     flat = {f"model.{k}": v for k, v in model_sd.items()}
     for fqn, state in optim_sd.get("state", {}).items():
@@ -397,20 +376,3 @@ def _flatten(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
 
 def _prefixed(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {prefix + k: v for k, v in tensors.items()}
-
-
-def _write(path: Path, tensors: dict[str, torch.Tensor], header: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={HEADER_KEY: json.dumps(header)})
-    tmp.rename(path)
-
-
-def _header(path: Path) -> dict | None:
-    """A snapshot file's header, or None if it is no whole snapshot file (cut off, or not ours)."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            header = json.loads((f.metadata() or {})[HEADER_KEY])
-    except Exception:  # noqa: BLE001 - safetensors' own errors for a torn or foreign file: not a snapshot
-        return None
-    return header if isinstance(header, dict) else None

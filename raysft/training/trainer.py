@@ -204,8 +204,10 @@ class Trainer:
         stored = step_of(resume_dir) if resume_dir is not None else 0
         step, why, sources = self.memory.newest_whole()
         if step is not None and step > stored:
-            return step, sources
-        if step is not None:
+            why = self.memory.fetch(step, sources)  # parts held on other nodes, sent to their ranks
+            if not why:
+                return step, sources
+        elif step is not None:
             why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {step}"
         if resume_dir is not None or step is not None:
             self.log.event("memory_tier_not_used", reason=why, stored_step=stored)
