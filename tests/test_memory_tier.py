@@ -149,6 +149,34 @@ def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
         memory.write_part, Trainer.train_step = real_write, real_step
 
 
+def launch_two_a_node(ctx, cfg, die_at: int = 0) -> dict:
+    """A launch of 4 ranks, 2 a node (they share the node's directory), every snapshot taken; with die_at, node
+    1's ranks die as they begin to write their parts of the snapshot of step die_at (node 0's then wait for their
+    partners' copies until the pool ends them)."""
+    from raysft.checkpoint import memory
+    from raysft.training.trainer import Trainer
+
+    ctx.node = f"node{ctx.rank // 2}"
+    real_write, real_step = memory.write_part, Trainer.train_step
+
+    def write(path, tensors, header):
+        if ctx.rank >= 2 and header["step"] == die_at:
+            os._exit(9)
+        real_write(path, tensors, header)
+
+    def train_step(self, *args, **kwargs):
+        if self.memory is not None:
+            self.memory.finish()
+        return real_step(self, *args, **kwargs)
+
+    memory.write_part, Trainer.train_step = write, train_step
+    try:
+        from raysft.launch.torchrun import launch as torchrun_launch
+        return torchrun_launch(ctx, cfg, False)
+    finally:
+        memory.write_part, Trainer.train_step = real_write, real_step
+
+
 def node_dir(cfg, node: str) -> Path:
     return Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir) / node
 
@@ -292,6 +320,54 @@ def test_a_rank_killed_mid_snapshot_leaves_no_part_and_the_step_before_is_resume
     resumes = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
     assert resumes == [{**resumes[0], "step": FAULT_AT - 1, "tier": "memory"}]
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+@pytest.fixture(scope="module")
+def two_a_node(gloo_pool4, tmp_path_factory):
+    """4 ranks, 2 a node: the uninterrupted run's losses and weights, and a run whose node 1 died as its ranks
+    began to write their parts of step 8 (each test continues a copy of it)."""
+    tmp = tmp_path_factory.mktemp("two-a-node")
+    reference = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
+    gloo_pool4.run(launch_two_a_node, reference)
+    faulted = memory_config(tmp, "faulted")
+    with pytest.raises(RuntimeError, match=r"died .*[{ ][23]: 9"):
+        gloo_pool4.run(launch_two_a_node, faulted, FAULT_AT)
+    return (sorted(step_losses(reference.run_dir)), final_weights(reference.run_dir, tmp / "hf")), faulted
+
+
+def test_ranks_sharing_a_node_keep_its_newest_whole_step_while_the_next_is_written(tmp_path, gloo_pool4, two_a_node):
+    """Node 1 died while the snapshot of step 8 was being written: node 0 still holds step 7 whole, its own parts
+    and the copies of node 1's (before, the second rank of a node to clear old steps removed it, taking the other
+    rank's step 8 for the newest), so the relaunch, node 1's memory lost, loses 1 step, not 2."""
+    reference, faulted = two_a_node
+    cfg = continue_copy(faulted, tmp_path)
+    held = sorted(p.relative_to(node_dir(cfg, "node0")).as_posix() for p in node_dir(cfg, "node0").rglob("rank_*"))
+    assert [f"step_{FAULT_AT - 1:08d}/rank_{r}.safetensors" for r in range(4)] == held[:4], held
+    shutil.rmtree(node_dir(cfg, "node1"))
+    gloo_pool4.run(launch_two_a_node, cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [(m["step"], m.get("tier")) for m in records if m.get("event") == "resume"] == [(FAULT_AT - 1, "memory")]
+    assert not [m for m in records if m.get("event") == "memory_tier_off"]
+    assert_same_run(cfg, reference, tmp_path / "hf")
+
+
+def test_snapshots_newer_than_the_stored_step_resumed_from_are_cleared_and_new_ones_written_beside_nothing_stale(
+        tmp_path, gloo_pool4, two_a_node):
+    """No node holds node 1's parts of step 7 (its memory lost, node 0's copies too): the relaunch resumes from
+    the stored checkpoint of step 6, and node 0's snapshots of steps 7 and 8, newer than that, go. The run's new
+    snapshots of steps 7, 8... are written without a hitch (before, a rank cleared the step its node's other rank
+    was writing, as older than the stale ones: the write failed and the tier turned off)."""
+    reference, faulted = two_a_node
+    cfg = continue_copy(faulted, tmp_path)
+    shutil.rmtree(node_dir(cfg, "node1"))
+    for rank in (2, 3):
+        (node_dir(cfg, "node0") / f"step_{FAULT_AT - 1:08d}" / f"rank_{rank}.safetensors").unlink()
+    gloo_pool4.run(launch_two_a_node, cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
+    assert not [m for m in records if m.get("event") == "memory_tier_off"]
+    assert_same_run(cfg, reference, tmp_path / "hf")
+    assert not (Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir)).exists()
 
 
 def test_partners_are_the_same_place_on_the_next_node():

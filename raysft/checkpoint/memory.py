@@ -13,10 +13,10 @@ usable only when every rank's file of it is found, on some node.
 The copy off the node: once its file is written, each rank sends it to its partner, the rank of the same place on
 the next node, over a gloo group of the tier's own, in the tier's background thread (a bounded rate if set); the
 partner keeps it beside its own. Files are sent from and received into their mapped pages, so a copy costs no
-buffer of its size in the process; a node keeps its newest 2 steps, the older removed before the next is written
-(what `raysft plan` counts). Under HYBRID_SHARD a rank's replica on another node holds the same shards, so no
-copy is sent: the replica's file stands in for it (only the RNG state differs, and every file carries every
-rank's).
+buffer of its size in the process; a node keeps 2 steps, the newest whole one and the one being written, the
+others removed before the next is written (what `raysft plan` counts). Under HYBRID_SHARD a rank's replica on
+another node holds the same shards, so no copy is sent: the replica's file stands in for it (only the RNG state
+differs, and every file carries every rank's).
 
 Resume (collective): every rank lists what its node holds (`newest_whole`); the newest step whose every part is
 held somewhere wins if it is newer than the stored checkpoint; a rank whose part is on another node receives it
@@ -86,8 +86,8 @@ class MemoryTier:
     learns every rank's node)."""
 
     def __init__(self, objs: TrainingObjects, every: int, memory_dir: str, run_id: str, node: str, layout: str,
-                 replica: int, replicated: bool, copy_mb_per_s: float = 0.0, keep: int = 2, log=None):
-        self.objs, self.every, self.run_id, self.layout, self.keep = objs, every, run_id, layout, keep
+                 replica: int, replicated: bool, copy_mb_per_s: float = 0.0, log=None):
+        self.objs, self.every, self.run_id, self.layout = objs, every, run_id, layout
         self.replica, self.replicated, self.copy_mb_per_s, self.log = replica, replicated, copy_mb_per_s, log
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.dir = node_dir(memory_dir, run_id, node)
@@ -103,6 +103,7 @@ class MemoryTier:
         self.pending: Future | None = None
         self.buffers: dict[str, torch.Tensor] = {}
         self.failed: str | None = None  # why snapshots stopped (host memory short, say)
+        self.whole: int | None = None  # the newest step whole on every node: kept while the next one is written
 
     # --- taking snapshots ---------------------------------------------------------------------------------------
 
@@ -130,7 +131,8 @@ class MemoryTier:
             event = torch.cuda.Event()
             event.record()
         self.pending = self.writer.submit(self._write_and_copy, state.step, {**tensors, **_prefixed("rng.", rng)},
-                                          header, event)
+                                          header, event, self.whole)
+        self.whole = state.step  # once written: every rank has agreed to write it, and the next one waits for it
         return True
 
     def _previous_written(self) -> bool:
@@ -168,15 +170,15 @@ class MemoryTier:
         return staged
 
     def _write_and_copy(self, step: int, tensors: dict[str, torch.Tensor], header: dict,
-                        event: torch.cuda.Event | None) -> None:
+                        event: torch.cuda.Event | None, whole: int | None) -> None:
         if event is not None:
             event.synchronize()
         path, error = self._file(step, self.rank), None
         try:
-            self._prune(self.keep - 1)  # the newest whole step stays while this one is written: `keep` at most
+            self.keep_only(whole, step)  # the newest whole step stays while this one is written: 2 at most
             write_part(path, tensors, header)
-        except OSError as e:  # the partner still takes part in the exchange, or its thread would wait for ours
-            path, error = None, e
+        except Exception as e:  # noqa: BLE001 - raised below; the partner still takes part in the exchange,
+            path, error = None, e  # or its thread would wait for ours
         self._exchange(step, path)
         if error is not None:
             raise error
@@ -217,11 +219,20 @@ class MemoryTier:
         if error is not None:
             raise error
 
-    def _prune(self, keep: int) -> None:
-        """Keep this node's newest `keep` steps: older ones are no newer than what a later fault would use."""
-        steps = sorted(p for p in self.dir.glob(f"{STEP_PREFIX}*") if p.is_dir())
-        for old in steps[:len(steps) - keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def keep_only(self, *steps: int | None) -> None:
+        """Remove this node's snapshots but those of `steps`. By step, not by what the directory lists: the ranks of
+        a node share it, and another rank's step being written is no reason to remove the newest whole one."""
+        keep = {f"{STEP_PREFIX}{step:08d}" for step in steps if step is not None}
+        for old in self.dir.glob(f"{STEP_PREFIX}*"):
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def resumed(self, step: int | None) -> None:
+        """After the resume's decision (every rank has listed what it holds): the node keeps the snapshot resumed
+        from, if any, and nothing else. Snapshots newer than the step resumed from (those a fault left when the
+        stored checkpoint was used) would otherwise stay, listed as newer than every snapshot to come."""
+        self.keep_only(step)
+        self.whole = step
 
     def finish(self) -> None:
         """Wait for the snapshot being written (its failure only turns the tier off: the stored tier goes on)."""

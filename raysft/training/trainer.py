@@ -141,6 +141,8 @@ class Trainer:
         self.dataset = TokenizedDataset(store)
         self.memory = self._memory_tier() if cfg.checkpoint.memory_every_n_steps else None
         snapshot = self._newer_snapshot(resume_dir) if self.memory else None
+        if self.memory:
+            self.memory.resumed(snapshot[0] if snapshot else None)
         resuming = resume_dir is not None or snapshot is not None
         reference = reference_file(store, cfg) if dpo and not cfg.model.lora.r else None
         # the reference pass needs the starting weights, also on a resume that finds no reference file
