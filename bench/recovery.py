@@ -275,7 +275,11 @@ class SnapshotBytes:
 
     def __call__(self) -> None:
         for node in self.root.glob("*/*"):
-            self.peak[node.name] = max(self.peak.get(node.name, 0), sum(map(_size, node.rglob("*"))))
+            try:
+                held = sum(map(_size, node.rglob("*")))
+            except FileNotFoundError:  # a step removed while it was walked: the next sample counts
+                continue
+            self.peak[node.name] = max(self.peak.get(node.name, 0), held)
 
 
 def _size(path: Path) -> int:
