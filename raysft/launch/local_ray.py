@@ -142,6 +142,26 @@ def start_local_ray(**kwargs) -> LocalRay:
     return local
 
 
+def wait_ended(local: LocalRay, timeout_s: float = 15.0) -> None:
+    """After ray.shutdown(): wait, at most timeout_s, until no process of this local Ray is left (each carries its
+    RAY_TMPDIR). A worker outlives its raylet for a moment, and may still write (a memory-tier snapshot, say)."""
+    import psutil
+
+    def left() -> bool:
+        for process in psutil.process_iter():
+            try:
+                if process.pid != os.getpid() and process.status() != psutil.STATUS_ZOMBIE and \
+                        process.environ().get("RAY_TMPDIR") == local.temp_dir:
+                    return True
+            except psutil.Error:
+                continue
+        return False
+
+    deadline = time.monotonic() + timeout_s
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _drop_ray_noise() -> None:
     """Print the workers' and actors' lines as Ray does, less RAY_NOISE (they stay in the actors' log files). A Ray
     without that dispatcher is left as it is."""

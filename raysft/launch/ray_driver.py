@@ -30,7 +30,7 @@ from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.errors import CannotPlaceWorkers
 from raysft.launch.lease import RunLease
-from raysft.launch.local_ray import check_reachable, connect
+from raysft.launch.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_worker import (
     EVAL_SCORE,
@@ -106,6 +106,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     except Stopped:
         if own_local_ray and config.checkpoint.memory_every_n_steps:
             ray.shutdown()  # its workers may still train (Ctrl-C): they end before their snapshots are removed
+            wait_ended(own_local_ray)
         raise
     except ControllerError as e:
         if isinstance(e.controller_failure, RunEnded):
@@ -118,7 +119,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             f"start with fewer, or wait longer. Ray's error: {e.controller_failure}") from e
     finally:
         if config.checkpoint.memory_every_n_steps:  # however the run ended, its snapshots in memory go
-            remove_snapshots(config, other_hosts=not own_local_ray)
+            remove_snapshots(config, other_hosts=own_local_ray is None)
 
 
 class RunEnded(Exception):
@@ -209,16 +210,16 @@ def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
     return CheckpointConfig(num_to_keep=config.checkpoint.keep)
 
 
-def connect_ray(scaling: RaysftScaling) -> bool:
+def connect_ray(scaling: RaysftScaling) -> LocalRay | None:
     """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
-    with just enough logical CPUs for the workers; whether it started one."""
+    with just enough logical CPUs for the workers; the one it started, if it did."""
     local = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
     if local:
         print(f"raysft: a local Ray of its own; its logs: {local.logs}", flush=True)
         if local.linked_from:
             print(f"raysft: (RAY_TMPDIR is too long for Ray's socket paths: linked from {local.linked_from})",
                   flush=True)
-    return local is not None
+    return local
 
 
 def start_timeout_s() -> float:
