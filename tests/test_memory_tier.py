@@ -3,7 +3,9 @@ stands in for two nodes, each rank on a node of its own (WorkerContext.node), wi
 than /dev/shm. A worker killed mid-run is a real process death (the pool starts fresh processes); a lost node is
 its directory of snapshots gone."""
 
+import contextlib
 import errno
+import functools
 import json
 import os
 import shutil
@@ -67,114 +69,101 @@ def launch_counting_held_steps(ctx, cfg, counts: Path) -> dict:
         MemoryTier._exchange = real_exchange
 
 
-def launch_with_short_memory(ctx, cfg, failing_rank: int, where: str, at_step: int, written: Path) -> dict:
-    """launch_on_own_node, every snapshot taken (each waits for the one before), with `failing_rank`'s snapshot
-    of `at_step` failing for want of room: writing its own file (where="own") or receiving its partner's copy
-    (where="copy"), as a full /dev/shm fails them. Each rank notes in `written` the steps it wrote."""
+@contextlib.contextmanager
+def tier_patched(every_snapshot: bool = True, **replacements):
+    """In a pool process: raysft.checkpoint.memory's functions named in `replacements` replaced, each replacement
+    called with the real one first; with every_snapshot, each step first waits for the snapshot before it is
+    written, so that every snapshot due is taken and a fault lands at the step the test names."""
     from raysft.checkpoint import memory
     from raysft.training.trainer import Trainer
 
-    real_write, real_map_new, real_step = memory.write_part, memory.map_new, Trainer.train_step
-    step_of = {}
-
-    def full(path) -> OSError:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-
-    def write(path, tensors, header):
-        step_of["now"] = header["step"]
-        if ctx.rank == failing_rank and where == "own" and header["step"] == at_step:
-            raise full(path)
-        real_write(path, tensors, header)
-        with written.open("a") as f:
-            f.write(f"{ctx.rank} {header['step']}\n")
-
-    def map_new(path, size):
-        if ctx.rank == failing_rank and where == "copy" and step_of.get("now") == at_step:
-            raise full(path)
-        return real_map_new(path, size)
-
-    def train_step(self, *args, **kwargs):
-        self.memory.finish()
-        return real_step(self, *args, **kwargs)
-
-    memory.write_part, memory.map_new, Trainer.train_step = write, map_new, train_step
-    try:
-        return launch_on_own_node(ctx, cfg)
-    finally:
-        memory.write_part, memory.map_new, Trainer.train_step = real_write, real_map_new, real_step
-
-
-def launch_without_room_to_receive(ctx, cfg) -> dict:
-    """launch_on_own_node, with rank 1's node out of room for a part sent to it at the resume."""
-    from raysft.checkpoint import memory
-
-    real_map_new = memory.map_new
-
-    def map_new(path, size):
-        if ctx.rank == 1:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real_map_new(path, size)
-
-    memory.map_new = map_new
-    try:
-        return launch_on_own_node(ctx, cfg)
-    finally:
-        memory.map_new = real_map_new
-
-
-def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
-    """launch_on_own_node, every snapshot taken, with rank 1's process killed while it writes its part of the
-    snapshot of `at_step` (part of the file is on disk under its temporary name)."""
-    from raysft.checkpoint import memory
-    from raysft.checkpoint.memory_files import temporary
-    from raysft.training.trainer import Trainer
-
-    real_write, real_step = memory.write_part, Trainer.train_step
-
-    def write(path, tensors, header):
-        if ctx.rank == 1 and header["step"] == at_step:
-            temporary(path).parent.mkdir(parents=True, exist_ok=True)
-            temporary(path).write_bytes(b"\0" * 4096)
-            os._exit(9)
-        real_write(path, tensors, header)
-
-    def train_step(self, *args, **kwargs):
-        self.memory.finish()
-        return real_step(self, *args, **kwargs)
-
-    memory.write_part, Trainer.train_step = write, train_step
-    try:
-        return launch_on_own_node(ctx, cfg)
-    finally:
-        memory.write_part, Trainer.train_step = real_write, real_step
-
-
-def launch_two_a_node(ctx, cfg, die_at: int = 0) -> dict:
-    """A launch of 4 ranks, 2 a node (they share the node's directory), every snapshot taken; with die_at, node
-    1's ranks die as they begin to write their parts of the snapshot of step die_at (node 0's then wait for their
-    partners' copies until the pool ends them)."""
-    from raysft.checkpoint import memory
-    from raysft.training.trainer import Trainer
-
-    ctx.node = f"node{ctx.rank // 2}"
-    real_write, real_step = memory.write_part, Trainer.train_step
-
-    def write(path, tensors, header):
-        if ctx.rank >= 2 and header["step"] == die_at:
-            os._exit(9)
-        real_write(path, tensors, header)
+    real = {name: getattr(memory, name) for name in replacements}
+    real_step = Trainer.train_step
 
     def train_step(self, *args, **kwargs):
         if self.memory is not None:
             self.memory.finish()
         return real_step(self, *args, **kwargs)
 
-    memory.write_part, Trainer.train_step = write, train_step
+    for name, replacement in replacements.items():
+        setattr(memory, name, functools.partial(replacement, real[name]))
+    if every_snapshot:
+        Trainer.train_step = train_step
     try:
-        from raysft.launch.torchrun import launch as torchrun_launch
-        return torchrun_launch(ctx, cfg, False)
+        yield
     finally:
-        memory.write_part, Trainer.train_step = real_write, real_step
+        for name, function in real.items():
+            setattr(memory, name, function)
+        Trainer.train_step = real_step
+
+
+def no_room(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def launch_with_short_memory(ctx, cfg, failing_rank: int, where: str, at_step: int, written: Path) -> dict:
+    """launch_on_own_node, every snapshot taken, with `failing_rank`'s snapshot of `at_step` failing for want of
+    room: writing its own file (where="own") or receiving its partner's copy (where="copy"), as a full /dev/shm
+    fails them. Each rank notes in `written` the steps it wrote."""
+    step_of = {}
+
+    def write(real, path, tensors, header):
+        step_of["now"] = header["step"]
+        if ctx.rank == failing_rank and where == "own" and header["step"] == at_step:
+            raise no_room(path)
+        real(path, tensors, header)
+        with written.open("a") as f:
+            f.write(f"{ctx.rank} {header['step']}\n")
+
+    def map_new(real, path, size):
+        if ctx.rank == failing_rank and where == "copy" and step_of.get("now") == at_step:
+            raise no_room(path)
+        return real(path, size)
+
+    with tier_patched(write_part=write, map_new=map_new):
+        return launch_on_own_node(ctx, cfg)
+
+
+def launch_without_room_to_receive(ctx, cfg) -> dict:
+    """launch_on_own_node, with rank 1's node out of room for a part sent to it at the resume."""
+    def map_new(real, path, size):
+        if ctx.rank == 1:
+            raise no_room(path)
+        return real(path, size)
+
+    with tier_patched(every_snapshot=False, map_new=map_new):
+        return launch_on_own_node(ctx, cfg)
+
+
+def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
+    """launch_on_own_node, every snapshot taken, with rank 1's process killed while it writes its part of the
+    snapshot of `at_step` (part of the file is on disk under its temporary name)."""
+    from raysft.checkpoint.memory_files import temporary
+
+    def write(real, path, tensors, header):
+        if ctx.rank == 1 and header["step"] == at_step:
+            temporary(path).parent.mkdir(parents=True, exist_ok=True)
+            temporary(path).write_bytes(b"\0" * 4096)
+            os._exit(9)
+        real(path, tensors, header)
+
+    with tier_patched(write_part=write):
+        return launch_on_own_node(ctx, cfg)
+
+
+def launch_two_a_node(ctx, cfg, die_at: int = 0) -> dict:
+    """A launch of 4 ranks, 2 a node (they share the node's directory), every snapshot taken; with die_at, node
+    1's ranks die as they begin to write their parts of the snapshot of step die_at (node 0's then wait for their
+    partners' copies until the pool ends them)."""
+    ctx.node = f"node{ctx.rank // 2}"
+
+    def write(real, path, tensors, header):
+        if ctx.rank >= 2 and header["step"] == die_at:
+            os._exit(9)
+        real(path, tensors, header)
+
+    with tier_patched(write_part=write):
+        return launch(ctx, cfg, False)
 
 
 def node_dir(cfg, node: str) -> Path:

@@ -71,21 +71,17 @@ def full_run(gloo_pool, tmp_path_factory) -> tuple[Path, list[str]]:
     return tmp, overrides
 
 
+def caused_by(error: Exception, cause: Exception) -> Exception:
+    """`error` as `raise error from cause` leaves it."""
+    error.__cause__ = cause
+    return error
+
+
 def test_the_classification_ends_the_run_for_what_no_retry_changes_and_not_for_storage_hiccups():
-    try:
-        try:
-            raise OSError(5, "Input/output error")
-        except OSError as io_error:
-            raise CheckpointError("ckpt/trainer_state.json: unreadable trainer state") from io_error
-    except CheckpointError as read_failed:
-        transient = read_failed
-    try:
-        try:
-            raise OSError(28, "No space left on device")
-        except OSError as full:
-            raise CheckpointSaveError("step 4: writing model.safetensors failed") from full
-    except CheckpointSaveError as save_failed:
-        disk_full = save_failed
+    transient = caused_by(CheckpointError("ckpt/trainer_state.json: unreadable trainer state"),
+                          OSError(5, "Input/output error"))
+    disk_full = caused_by(CheckpointSaveError("step 4: writing model.safetensors failed"),
+                          OSError(28, "No space left on device"))
     assert not ends_the_run(transient) and not ends_the_run(OSError(5, "EIO")) and not ends_the_run(RuntimeError())
     assert all(ends_the_run(e) for e in (disk_full, CheckpointError("refused index"), WeightsFileError("shape"),
                                          ConfigError("key"), DataError("record")))
