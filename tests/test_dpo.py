@@ -187,3 +187,62 @@ def test_lora_dpo_takes_the_base_with_adapters_off_as_its_reference(tmp_path, gl
     assert steps[0]["rewards/chosen"] == steps[0]["rewards/rejected"] == 0.0 and steps[0]["loss"] == \
         pytest.approx(0.693147, abs=1e-6)
     assert steps[-1]["rewards/margins"] != 0.0
+
+
+def _save_model(path, tok, seed: int, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=len(tok), **config)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _copy_keeping_times(source, target) -> None:
+    """`cp -p` of source's files over target's, then target's old times put back: names, sizes and mtimes are
+    what they were (rsync -a of a model of the same shapes onto files of the same times)."""
+    import os
+    import shutil
+
+    for file in source.iterdir():
+        before = (target / file.name).stat()
+        shutil.copy2(file, target / file.name)
+        os.utime(target / file.name, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_the_reference_is_keyed_on_content_and_a_relaunch_on_other_weights_is_refused(tmp_path, tok):
+    """The reference file's key is the weights' fingerprint (raysft.hf.fingerprint), not names, sizes and mtimes:
+    other weights of the same shapes put in place with the old times get a new pass, the same weights copied
+    elsewhere the same file. A from-scratch model.config is keyed on its file's content. A DPO run relaunched on
+    the other weights is refused naming them (the run's identity pins model.path's weights for every objective)."""
+    import shutil
+
+    from raysft.config import ConfigError
+    from raysft.launch.prelaunch import claim_run_dir
+    from raysft.training.reference import reference_file
+
+    base, other = _save_model(tmp_path / "base", tok, 0), _save_model(tmp_path / "other", tok, 1)
+    store = tmp_path / "store"
+
+    def key(path):
+        return reference_file(store, dpo_config(tmp_path, "swap", **{"model.path": path, "model.tokenizer": path}))
+
+    cfg = dpo_config(tmp_path, "swap", **{"model.path": base, "model.tokenizer": base})
+    claim_run_dir(cfg, "data")
+    first = key(base)
+    shutil.copytree(base, tmp_path / "copy")
+    assert key(tmp_path / "copy") == first  # the same weights elsewhere, with new mtimes: the same reference
+    _copy_keeping_times(other, base)
+    assert key(base) != first
+    with pytest.raises(ConfigError, match=f"the weights at model.path {base} are not those it started from: "
+                                          "model.safetensors differs"):
+        claim_run_dir(cfg, "data")
+
+    config = tmp_path / "arch" / "config.json"
+    _save_model(config.parent, tok, 0, rope_theta=10000.0)
+    (tmp_path / "rope").mkdir()
+    _save_model(tmp_path / "rope", tok, 0, rope_theta=20000.0)  # the same file's size, another architecture
+    before = reference_file(store, dpo_config(tmp_path, "scratch", **{"model.config": config}))
+    _copy_keeping_times(tmp_path / "rope", config.parent)
+    assert reference_file(store, dpo_config(tmp_path, "scratch", **{"model.config": config})) != before

@@ -2,7 +2,7 @@
 the store before the first step, and kept beside the store.
 
 The file is `<store>/reference/<key>.safetensors` (one float64 per row of the store), where the store's directory
-name is its fingerprint and the key is a hash of the reference model's identity (`reference_identity`). A restart,
+name is its fingerprint and the key is a hash of the reference model's content (`reference_identity`). A restart,
 a resume, or another run on the same data and model finds it and computes nothing; no second model is ever held in
 memory. The pass shares the rows over the workers, each computes its share without gradients, and one all-reduce
 gives every worker every row; rank 0 writes the file aside and renames it into place.
@@ -27,6 +27,8 @@ from torch import nn
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, pair_rows, to_device
 from raysft.errors import CheckpointError
+from raysft.hf.fingerprint import weights_fingerprint
+from raysft.model.build import PRESETS
 from raysft.model.preference_loss import sequence_logps
 from raysft.model.seeded_init import INIT_SCHEME
 from raysft.training.preference import pair_batch
@@ -35,18 +37,27 @@ REFERENCE_DIR = "reference"
 
 
 def reference_identity(cfg: TrainConfig) -> dict:
-    """What the reference log-probabilities depend on besides the store: the starting weights (a model directory's
-    path and its weight files' names, sizes and modification times; a from-scratch model's preset and seed) and
-    the compute dtype. A model directory rewritten in place gets new times, hence a new pass."""
+    """What the reference log-probabilities depend on besides the store, by content: the starting weights (the
+    fingerprint of model.path's config.json, index and weight files, raysft.hf.fingerprint; a from-scratch model's
+    architecture, seed and initialization scheme) and the compute dtype. Names, sizes and mtimes would not do:
+    other weights copied in with `cp -p` or `rsync -a` keep them, and the same weights copied elsewhere are the
+    same reference."""
     identity: dict = {"mixed_precision": cfg.parallel.mixed_precision}
     if cfg.model.path:
-        root = Path(cfg.model.path).expanduser().resolve()
-        files = sorted(p for p in root.iterdir() if p.suffix in (".safetensors", ".json") and p.is_file())
-        identity["path"] = str(root)
-        identity["files"] = [[p.name, (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
+        identity["weights"] = weights_fingerprint(Path(cfg.model.path).expanduser())
     else:
-        identity.update(config=cfg.model.config, seed=cfg.train.seed, init=INIT_SCHEME)
+        identity.update(architecture=architecture_identity(cfg.model.config), seed=cfg.train.seed, init=INIT_SCHEME)
     return identity
+
+
+def architecture_identity(config: str) -> dict:
+    """model.config by content: a preset's values, or the sha256 of the config.json it names (a file, or a
+    directory holding one), so that an edited file is another reference."""
+    if config in PRESETS:
+        return {"preset": config, **PRESETS[config]}
+    path = Path(config).expanduser()
+    file = path if path.is_file() else path / "config.json"
+    return {"config.json": hashlib.sha256(file.read_bytes()).hexdigest()}
 
 
 def reference_file(store: Path, cfg: TrainConfig) -> Path:
