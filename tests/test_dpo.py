@@ -155,15 +155,31 @@ def dpo_config(tmp_path, name, **sets):
                                     "train.log_every_n_steps": 100, "run.name": name, **sets})
 
 
-def test_a_dpo_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool):
-    whole = dpo_config(tmp_path, "whole")
+def with_dropout(tmp_path, tok) -> dict:
+    """demo-tiny's architecture as a model.config file, with attention dropout (a float of the attention modules,
+    no nn.Dropout)."""
+    from transformers import LlamaConfig
+
+    from raysft.model.build import preset_config
+
+    path = tmp_path / "dropout-config.json"
+    if not path.exists():
+        LlamaConfig(**{**preset_config("demo-tiny", tok).to_dict(), "attention_dropout": 0.3}).to_json_file(path)
+    return {"model.config": str(path)}
+
+
+def test_a_dpo_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool, tok):
+    """Also with attention dropout in the model's config: dpo.disable_dropout (the default) turns it off, so the
+    policy's step 1 is the reference (margin 0) and the resumed run draws nothing the uninterrupted one did not."""
+    whole = dpo_config(tmp_path, "whole", **with_dropout(tmp_path, tok))
     gloo_pool.run(launch, whole)
     for stop in (3, 0):
-        gloo_pool.run(launch, dpo_config(tmp_path, "resumed", **{"train.stop_at_step": stop}))
+        gloo_pool.run(launch, dpo_config(tmp_path, "resumed", **with_dropout(tmp_path, tok),
+                                         **{"train.stop_at_step": stop}))
         if stop:  # a resume that finds no reference file computes it again from the starting weights
             [reference] = whole.store_dir.glob("*/reference/*.safetensors")
             reference.unlink()
-    resumed = dpo_config(tmp_path, "resumed")
+    resumed = dpo_config(tmp_path, "resumed", **with_dropout(tmp_path, tok))
     rows = {run: [m for m in read_metrics(cfg.run_dir) if "loss" in m] for run, cfg in (("w", whole), ("r", resumed))}
     keys = ["step", "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen"]
     assert [[m[k] for k in keys] for m in rows["w"]] == [[m[k] for k in keys] for m in rows["r"]]
@@ -175,18 +191,51 @@ def test_a_dpo_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(
     assert rows["w"][0]["rewards/margins"] == 0.0 != rows["w"][-1]["rewards/margins"]  # the reference's step 1
 
 
-def test_lora_dpo_takes_the_base_with_adapters_off_as_its_reference(tmp_path, gloo_pool):
+@pytest.mark.parametrize("disable_dropout", [True, False], ids=["dropout_off", "dropout_kept"])
+def test_lora_dpo_takes_the_base_with_adapters_off_as_its_reference(tmp_path, gloo_pool, tok, disable_dropout):
+    """With lora_dropout and the model's attention dropout: dpo.disable_dropout (the default) turns both off, so the
+    adapted model (B = 0) is its base at step 1 and every reward is exactly 0; kept, they make the rewards noise."""
     pytest.importorskip("peft")
-    cfg = dpo_config(tmp_path, "lora", **{"model.lora.r": 4, "train.max_steps": 3, "train.lr": 1e-2})
+    cfg = dpo_config(tmp_path, "lora", **with_dropout(tmp_path, tok), **{
+        "model.lora.r": 4, "model.lora.dropout": 0.5, "dpo.disable_dropout": disable_dropout,
+        "train.max_steps": 3 if disable_dropout else 1, "train.lr": 1e-2})
     gloo_pool.run(launch, cfg)
     records = read_metrics(cfg.run_dir)
     steps = [m for m in records if "loss" in m]
+    if not disable_dropout:
+        assert steps[0]["rewards/chosen"] != 0.0 and steps[0]["rewards/rejected"] != 0.0
+        return
     assert not [m for m in records if m.get("event") == "reference_logps"]  # no pass, no file
     assert not list(cfg.store_dir.glob("*/reference/*"))
     # B = 0 at the start: the adapted model is its base, so step 1's rewards are exactly 0
     assert steps[0]["rewards/chosen"] == steps[0]["rewards/rejected"] == 0.0 and steps[0]["loss"] == \
         pytest.approx(0.693147, abs=1e-6)
     assert steps[-1]["rewards/margins"] != 0.0
+
+
+def test_disable_dropout_turns_off_dropout_layers_and_attention_dropout_but_keeps_the_config():
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raysft.model.preference_loss import disable_dropout
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                         attention_dropout=0.5))
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_dropout=0.5, target_modules=["q_proj", "v_proj"]), model)
+    for name, param in model.named_parameters():  # B != 0, so that the adapters' input dropout shows
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)
+    ids = torch.randint(0, 64, (2, 12))
+    model.train()
+    assert not torch.equal(model(ids).logits, model(ids).logits)
+    disable_dropout(model)
+    assert torch.equal(model(ids).logits, model(ids).logits)
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, model.train()(ids).logits, atol=1e-6)  # train is eval now
+    assert model.config.attention_dropout == 0.5
 
 
 def _save_model(path, tok, seed: int, **config):

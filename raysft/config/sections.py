@@ -259,6 +259,10 @@ class DpoConfig:
     sft_weight: float = 0.0
     """Adds this weight times the mean NLL of the chosen answers' tokens to the loss (RPO; TRL's loss_type
     ["sigmoid", "sft"] with loss_weights [1, w]); 0: off."""
+    disable_dropout: bool = True
+    """Turn off the policy's dropout (TRL's disable_dropout): every dropout layer, model.lora.dropout's included, and
+    the attention's attention_dropout. With dropout the policy's log-probabilities are noisy while the reference's
+    are not (the pass runs in eval mode), so the rewards and the loss are noise; false keeps the dropout."""
 
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")

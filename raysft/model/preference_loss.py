@@ -74,6 +74,22 @@ def _sequence_nll(self: nn.Module, num_sequences: int, loss_positions: torch.Ten
         0, loss_sequence, token_nll)
 
 
+DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Every dropout of the policy off (dpo.disable_dropout): dropout layers (peft's lora_dropout among them) get
+    p = 0, as TRL's disable_dropout_in_model does, and so does each module's float `attention_dropout` (`dropout` in
+    OPT), the probability LLaMA-style attention hands its kernel in training mode, which no nn.Dropout holds. The
+    model's config keeps its values, so a checkpoint or an export says what the architecture was."""
+    for module in model.modules():
+        if isinstance(module, DROPOUT_LAYERS):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
 def sequence_logps(model: nn.Module, batch: dict, num_sequences: int) -> torch.Tensor:
     """Each sequence's summed label log-probability (fp32), from a batch with `sequence_loss_inputs`."""
     return -getattr(model, METHOD)(num_sequences, **batch)

@@ -38,7 +38,7 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
-from raysft.model.preference_loss import REWARD_METRICS, install_sequence_nll
+from raysft.model.preference_loss import REWARD_METRICS, disable_dropout, install_sequence_nll
 from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.parallel.fsdp import parallelize
 from raysft.parallel.layout import ParallelDims, gather_node_ranks
@@ -126,6 +126,8 @@ class Trainer:
         dpo = t.objective == "dpo"
         if dpo:
             install_sequence_nll(self.model, t.loss_chunk_tokens)
+            if cfg.dpo.disable_dropout:
+                disable_dropout(self.model)
         elif t.loss_chunk_tokens:
             install_chunked_loss(self.model, t.loss_chunk_tokens)
         self.optimizer = build_optimizer(self.model, t)
