@@ -46,17 +46,27 @@ def test_the_same_file_listed_twice_in_data_paths_is_refused(tmp_path):
 
 
 def test_a_mistyped_chat_template_path_names_the_key_and_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"data.chat_template: cannot read {tmp_path}/vicnua.jinja"):
+    """A config error, which ends a run at once where a worker meets it (no restart finds the file)."""
+    with pytest.raises(ConfigError, match=f"config key 'data.chat_template': cannot read {tmp_path}/vicnua.jinja"):
         load_tokenizer(ModelConfig(), chat_template=str(tmp_path / "vicnua.jinja"))
-    with pytest.raises(FileNotFoundError, match="data.chat_template"):
+    with pytest.raises(ConfigError, match="data.chat_template"):
         load_tokenizer(ModelConfig(), chat_template="vicnua")
 
 
 def test_a_tokenizer_directory_without_a_vocabulary_names_the_directory(tmp_path):
     shutil.copy(DEMO_TOKENIZER / "tokenizer_config.json", tmp_path)
-    with pytest.raises(FileNotFoundError, match=f"model.tokenizer: {tmp_path} has no tokenizer vocabulary .*"
-                                                r"it holds \['tokenizer_config.json'\]"):
+    with pytest.raises(ConfigError, match=f"config key 'model.tokenizer': {tmp_path} has no tokenizer vocabulary .*"
+                                          r"it holds \['tokenizer_config.json'\]"):
         load_tokenizer(ModelConfig(tokenizer=str(tmp_path)))
+
+
+def test_a_missing_tokenizer_directory_is_a_config_error_naming_the_key_the_user_set(tmp_path):
+    """model.path when model.tokenizer is empty (the DPO demo's config): the key that names the directory."""
+    with pytest.raises(ConfigError, match=f"config key 'model.path': {tmp_path}/demo-model is not a directory "
+                                          "with a Hugging Face tokenizer"):
+        load_tokenizer(ModelConfig(path=str(tmp_path / "demo-model"), tokenizer=""))
+    with pytest.raises(ConfigError, match="config key 'model.tokenizer': unknown builtin 'builtin:nope'"):
+        load_tokenizer(ModelConfig(tokenizer="builtin:nope"))
 
 
 def test_report_skips_and_counts_rows_without_a_loss(tmp_path):

@@ -30,29 +30,36 @@ VICUNA_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
 )
 
+# data.chat_template values that name a template rather than a file (anything else is the path of a Jinja file).
+CHAT_TEMPLATE_NAMES = ("auto", "vicuna")
+
 # One of these (or a SentencePiece *.model, a *.tiktoken) makes a directory a tokenizer: the fast tokenizer's file,
 # BPE's or WordPiece's vocabulary.
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def resolve_tokenizer_dir(model: ModelConfig) -> Path:
+    """The tokenizer's directory, checked to hold a vocabulary and to ask for no code. A ConfigError naming the key
+    (model.tokenizer, or model.path when it is empty) where it cannot be used: no restart of the workers that
+    load it changes that, so under Ray and torchrun it ends the run at once (raysft.errors.ends_the_run)."""
+    key = "model.tokenizer" if model.tokenizer else "model.path"
     name = model.tokenizer or model.path
     if name == BUILTIN + "demo":
         return DEMO_TOKENIZER
     if name.startswith(BUILTIN):
-        raise FileNotFoundError(f"model.tokenizer: unknown builtin {name!r} (known: {BUILTIN}demo)")
+        raise ConfigError(f"config key '{key}': unknown builtin {name!r} (known: {BUILTIN}demo)")
     path = Path(name).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model.tokenizer: {path} is not a directory with a Hugging Face tokenizer")
+        raise ConfigError(f"config key '{key}': {path} is not a directory with a Hugging Face tokenizer")
     if not any(f.name in VOCABULARY_FILES or f.suffix in (".model", ".tiktoken") for f in path.iterdir()):
         # transformers would build a tokenizer of a few special tokens from tokenizer_config.json alone
-        raise FileNotFoundError(f"model.tokenizer: {path} has no tokenizer vocabulary (none of "
-                                f"{', '.join(VOCABULARY_FILES)}, *.model; it holds "
-                                f"{sorted(p.name for p in path.iterdir())})")
+        raise ConfigError(f"config key '{key}': {path} has no tokenizer vocabulary (none of "
+                          f"{', '.join(VOCABULARY_FILES)}, *.model; it holds "
+                          f"{sorted(p.name for p in path.iterdir())})")
     try:
         refuse_code(path)  # before transformers would ask on the terminal whether to run it
     except ModelDirError as e:
-        raise ConfigError(f"config key '{'model.tokenizer' if model.tokenizer else 'model.path'}': {e}") from None
+        raise ConfigError(f"config key '{key}': {e}") from None
     return path
 
 
@@ -68,7 +75,7 @@ def load_tokenizer(model: ModelConfig, chat_template: str = "auto") -> PreTraine
     source = f"the chat template of {directory}"
     if chat_template == "vicuna" or (chat_template == "auto" and not tokenizer.chat_template):
         tokenizer.chat_template, source = VICUNA_TEMPLATE, "the Vicuna v1.1 chat template"
-    elif chat_template != "auto":
+    elif chat_template not in CHAT_TEMPLATE_NAMES:
         tokenizer.chat_template = read_template(chat_template)
         source = f"the chat template {chat_template}"
     tokenizer.chat_template_source = source  # error messages name it (raysft.data.labels.template_name)
@@ -81,10 +88,11 @@ def read_template(name: str) -> str:
     path = Path(name).expanduser()
     try:
         return path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise FileNotFoundError(f"data.chat_template: cannot read {path} ({type(e).__name__}: "
-                                f"{getattr(e, 'strerror', None) or e}); it is \"auto\", \"vicuna\" or the path of "
-                                "a Jinja template file") from e
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        # what no retry changes; another OSError (a storage hiccup) is raised as it is
+        raise ConfigError(f"config key 'data.chat_template': cannot read {path} ({type(e).__name__}: "
+                          f"{getattr(e, 'strerror', None) or e}); it is \"auto\", \"vicuna\" or the path of a Jinja "
+                          "template file") from e
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

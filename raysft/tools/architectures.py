@@ -86,10 +86,10 @@ def _preset(cfg: TrainConfig) -> PretrainedConfig:
     """A preset's architecture: its vocabulary is the tokenizer's, the one file a preset needs."""
     try:
         tokenizer = load_tokenizer(cfg.model)
-    except FileNotFoundError as e:
+    except ConfigError as e:
         raise ConfigError(f"config key 'model.config': the preset {cfg.model.config} takes its vocabulary from the "
-                          f"tokenizer, which is not here ({e}): give the architecture with --model NAME (one of "
-                          f"{', '.join(KNOWN)}) or --model path/to/config.json") from None
+                          f"tokenizer, which cannot be read here ({e}): give the architecture with --model NAME "
+                          f"(one of {', '.join(KNOWN)}) or --model path/to/config.json") from None
     return preset_config(cfg.model.config, tokenizer)
 
 
