@@ -21,6 +21,7 @@ from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf.export import DEFAULT_SHARD_BYTES, check_export_target, export
+from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
@@ -113,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args.model_dir, args.prompt, args.system, args.max_new_tokens)
         if args.command == "report":
             return _report(args.run_dir, args.out)
+        # a relative path in the config means what it means here, where the command was typed (raysft.launch.paths)
         if args.command == "plan":  # --workers N is scaling.num_workers=N: every check of a launch applies to it
             workers = [f"scaling.num_workers={args.workers}"] if args.workers else []
-            return _plan(load_config(args.config, [*args.overrides, *workers]), args.model, args.nodes,
-                         args.gpu_mem_gib, args.tokens, args.host_mem_gib)
-        config = load_config(args.config, args.overrides)
+            return _plan(resolve_paths(load_config(args.config, [*args.overrides, *workers])), args.model,
+                         args.nodes, args.gpu_mem_gib, args.tokens, args.host_mem_gib)
+        config = resolve_paths(load_config(args.config, args.overrides))
         if args.command == "prepare":
             return _prepare(config)
         return _train(config, args.fresh, args.export, args.prompt, args.force)
@@ -149,7 +151,7 @@ def _end_stopped(code: int) -> None:
 
 def _prepare(config: TrainConfig) -> int:
     store = prepare_store(config.data, load_tokenizer(config.model, config.data.chat_template), config.store_dir,
-                          objective=config.train.objective)
+                          objective=config.train.objective, truncation_mode=config.dpo.truncation_mode)
     counts = read_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
     if store.built_with == "ray":

@@ -48,7 +48,7 @@ def test_a_step_saved_again_gets_its_own_directory():
 
 
 @pytest.mark.parametrize("sets, message", [
-    ({"model.path": "/nonexistent/llama"}, r"'model.path': '/nonexistent/llama' is not a Hugging Face model dir"),
+    ({"model.path": "/nonexistent/llama"}, r"'model.path': /nonexistent/llama does not exist"),
     ({"model.config": "no-such-preset"}, r"'model.config': 'no-such-preset' is neither a preset"),
     ({"model.config": "SMALL_VOCAB"}, r"'model.tokenizer': the tokenizer has \d+ tokens but the model's vocab_size"),
     ({"train.global_batch_size": 4096, "train.micro_batch_size": 2048},

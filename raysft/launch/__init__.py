@@ -1,6 +1,7 @@
 """The launchers: Ray Train (driver and workers) and torchrun, and what both need on the way in and out.
 
 Modules, by role:
+  paths       what a relative path in the config means (where the command runs), resolved once on the driver
   prelaunch   on the driver before any worker: the stores, the checks every worker would fail, the run claimed
   ray_driver  the Ray edge on the driver: a Ray to join or start, TorchTrainer, the stop flag (`raysft.train`)
   ray_worker  the Ray edge on the workers: Ray's context, reports, checkpoints, preemption notices

@@ -24,6 +24,7 @@ from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.errors import ModelDirError, WeightsFileError
 from raysft.hf.fingerprint import changed_files, weights_fingerprint
+from raysft.launch.paths import check_paths, resolve_identity
 from raysft.model.attention import check_attention
 from raysft.model.build import build_meta_model, check_pretrained, load_model_config
 from raysft.model.lora import add_adapters
@@ -50,7 +51,9 @@ class Stores(NamedTuple):
 
 def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     """On the driver (rank 0 without Ray), before any worker starts: tokenize the data or reuse its stores, check
-    what would fail the same way on every worker and every restart, and claim the run directory."""
+    what would fail the same way on every worker and every restart, and claim the run directory. The config's paths
+    are absolute already (raysft.launch.paths.resolve_paths)."""
+    check_paths(config)  # each file or directory it names, by its key, before anything reads one
     check_trackers(config)
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
@@ -128,10 +131,10 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
     if fresh and run_dir.children():
         moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
         run_dir.move_dir(moved)
-    identity = run_identity(config, data_fingerprint)
+    identity = resolve_identity(run_identity(config, data_fingerprint))
     path = run_dir / RUN_FILE
     if path.is_file():
-        recorded = json.loads(path.read_text())
+        recorded = resolve_identity(json.loads(path.read_text()))  # a relative model.path of an older raysft
         if WEIGHTS_KEY not in recorded:  # started by a raysft that did not fingerprint the base: nothing to compare
             identity.pop(WEIGHTS_KEY, None)
         changed = [k for k in {**recorded, **identity} if k != RUN_ID_KEY and recorded.get(k) != identity.get(k)]

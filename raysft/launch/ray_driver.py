@@ -30,6 +30,7 @@ from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.errors import CannotPlaceWorkers
 from raysft.launch.lease import RunLease
+from raysft.launch.paths import resolve_paths
 from raysft.launch.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_worker import (
@@ -60,8 +61,10 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     Launching again with the same run.name and run.storage_path resumes from the run's latest complete checkpoint;
     the run's data, model and schedule must then be the same (ConfigError otherwise). `fresh` starts the run over
     and keeps the old run directory beside it, renamed. One launch at a time: while another live launch holds the
-    run (raysft.launch.lease), this one raises RunInUse before it changes anything.
+    run (raysft.launch.lease), this one raises RunInUse before it changes anything. A relative path in the config
+    means what it means in this process's working directory (raysft.launch.paths): the workers get it absolute.
     """
+    config = resolve_paths(config)  # before anything reads a path or ships the config
     check_reachable()  # a cluster in RAY_ADDRESS that nobody answers: named now, not after tokenizing
     lease = RunLease(config.run_dir)
     lease.check_free()  # before the data is tokenized, and before --fresh moves a live launch's run away

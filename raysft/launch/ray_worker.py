@@ -34,6 +34,7 @@ from raysft.checkpoint import (
 from raysft.checkpoint.retention import eval_loss, unregistered
 from raysft.config import TrainConfig, config_from_dict
 from raysft.errors import ends_the_run, run_ending_type
+from raysft.launch.paths import check_worker_paths
 from raysft.parallel.collectives import from_rank0
 from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
@@ -51,9 +52,11 @@ def train_worker(loop_config: dict) -> None:
     if ray.train.get_context().get_local_rank() == 0:  # before the first collective, so before any worker saves
         clear_scratch(scratch_root(cfg.run.name, cfg.run_dir))
     try:
-        eval_store = loop_config.get("eval_store")
-        trainer = _build_trainer(cfg, Path(loop_config["store"]), worker, Path(eval_store) if eval_store else None,
-                                 stop_requested(loop_config["stop_flag"], worker.rank))
+        store, eval_store = Path(loop_config["store"]), loop_config.get("eval_store")
+        eval_store = Path(eval_store) if eval_store else None
+        check_worker_paths(cfg, [s for s in (store, eval_store) if s],
+                           f"node {ray.util.get_node_ip_address()} (rank {worker.rank})")
+        trainer = _build_trainer(cfg, store, worker, eval_store, stop_requested(loop_config["stop_flag"], worker.rank))
         register_lost_checkpoints(cfg, trainer.resume_dir, worker.rank)
         trainer.train()
     except Exception as e:

@@ -29,6 +29,7 @@ from raysft.checkpoint.memory import remove_run
 from raysft.config import ConfigError, TrainConfig, load_config
 from raysft.errors import RunInUse, ends_the_run, run_ending_type
 from raysft.launch.lease import RunLease
+from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.parallel.collectives import from_rank0, process_group_backend
@@ -159,7 +160,9 @@ def init_distributed(cpu_offload: bool = False) -> WorkerContext:
 def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False,
            stop_requested: Callable[[], bool] = lambda: False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming) until
-    the end or until `stop_requested` holds on some rank (then at a checkpointed step)."""
+    the end or until `stop_requested` holds on some rank (then at a checkpointed step). A relative path in the config
+    means what it means in the directory torchrun runs in, as under Ray (raysft.launch.paths)."""
+    config = resolve_paths(config)
     lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
     stores = prepare_on_rank0(config, fresh, lease)
     try:
