@@ -7,7 +7,8 @@ same tiny model and the same pairs, side by side in one invocation:
   --pairs sequences: the same tokens per step as DPO.
 - raysft DPO: --pairs pairs per step; its reference pass runs first (its time is logged as an event).
 - TRL DPOTrainer: one process (TRL's own CPU path), the whole batch of --pairs pairs, the reference model beside
-  the policy (TRL's default), on raysft's token ids.
+  the policy (TRL's default), on raysft's token ids, in fp32 as raysft runs here (`bf16=False`: DPOConfig's default
+  bf16 would run TRL's forward under CPU autocast, which is not like for like).
 Throughput is real tokens per second over the steps after --warmup (raysft: from metrics.jsonl; TRL: from its
 step times); pairs/s is pairs per step over the mean step time.
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 from common import BENCH_DIR, environment, save_results
@@ -94,7 +96,7 @@ def trl_run(work: Path, tok, args) -> tuple[float, float]:
 
     torch.set_num_threads(args.workers)
     config = DPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=args.pairs, max_steps=args.steps,
-                       learning_rate=5e-4, report_to=[], use_cpu=True, save_strategy="no", max_length=None,
+                       learning_rate=5e-4, bf16=False, report_to=[], use_cpu=True, save_strategy="no", max_length=None,
                        logging_steps=args.steps, gradient_checkpointing=False)
     trainer = SameTokens(model=LlamaForCausalLM.from_pretrained(work / "model"), args=config,
                          train_dataset=Dataset.from_list(pairs), processing_class=tok, callbacks=[Clock()])
@@ -121,20 +123,27 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="raysft-bench-dpo-"))
     tok = build(work)
     micro = args.pairs // args.workers // 2
+    load = []  # the machine's 1-minute load average after each variant: on a shared machine, what it competed with
     sft, sft_wall = raysft_run(work, "sft", args, f"data.paths=[{work / 'sft.json'}]",
                                f"train.global_batch_size={2 * args.pairs}", f"train.micro_batch_size={2 * micro}")
+    load.append(os.getloadavg()[0])
     dpo, dpo_wall = raysft_run(work, "dpo", args, f"data.paths=[{work / 'pairs.json'}]", "train.objective=dpo",
                                f"train.global_batch_size={args.pairs}", f"train.micro_batch_size={micro}")
+    load.append(os.getloadavg()[0])
     reference = next(m for m in dpo if m.get("event") == "reference_logps")
     trl_tokens, trl_pairs = trl_run(work, tok, args)
+    load.append(os.getloadavg()[0])
     s, d = after_warmup(sft, args.warmup), after_warmup(dpo, args.warmup)
     results = [
         {"variant": "raysft SFT (both answers)", "tokens_per_s": s["tokens_per_s"], "wall_s": sft_wall},
         {"variant": "raysft DPO", "tokens_per_s": d["tokens_per_s"], "pairs_per_s": args.pairs / d["step_s"],
          "wall_s": dpo_wall, "reference_s": reference["seconds"],
          "reference_share": reference["seconds"] / dpo_wall},
-        {"variant": "TRL DPOTrainer (1 process)", "tokens_per_s": trl_tokens, "pairs_per_s": trl_pairs},
+        {"variant": "TRL DPOTrainer (1 process, fp32)", "tokens_per_s": trl_tokens, "pairs_per_s": trl_pairs,
+         "trl": version("trl")},
     ]
+    for row, value in zip(results, load, strict=True):
+        row["load_average_after"] = value
     table = "\n".join(["| variant | tokens/s | pairs/s | reference pass |", "|---|---:|---:|---:|"] + [
         f"| {r['variant']} | {r['tokens_per_s']:.0f} | "
         + (f"{r['pairs_per_s']:.1f} | " if "pairs_per_s" in r else "— | ")
