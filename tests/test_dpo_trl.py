@@ -3,13 +3,14 @@ the same tokens (TRL is given raysft's token ids: the prompt up to the first ans
 last), the same optimizer (AdamW, constant learning rate, no weight decay) and gradient clipping (max norm 1.0, which
 the IPO and sft_weight runs' gradients exceed). raysft trains on 2 gloo workers with micro-batches of 2 pairs, TRL
 on one process with the whole batch, in fp32 (`bf16=False`: DPOConfig turns bf16 on by default, and accelerate then
-runs TRL's forward under CPU autocast). The loss, the gradient norm and TRL's reward metrics agree at every step,
-and so does plain PyTorch autograd of the same loss.
+runs TRL's forward under CPU autocast). The loss, the gradient norm and TRL's reward and logit metrics agree at
+every step, and so does plain PyTorch autograd of the same loss.
 
 Tolerance: everything is fp32 on the CPU. The three compute the same sums in other orders (raysft's chunked
 cross-entropy at the label positions, its reference from a pass before training and its gradient reduced over two
 workers; TRL's fused LM head and a reference model beside the policy), so they differ by float rounding only
-(measured: at most 4e-5 relative, on a reward of 0.005): relative 1e-4 is far below any real difference. A wrong
+(measured: at most 4e-5 relative, on a reward of 0.005; 9e-9 on a mean logit of 3e-5, hence 1e-7 absolute for
+values near 0): relative 1e-4 is far below any real difference. A wrong
 normalization or a label off by one token moves them by percents, and a gradient off by a constant factor moves
 `grad_norm` by that factor (AdamW's update hardly depends on its scale, so the later steps alone would not show it)."""
 
@@ -32,7 +33,7 @@ trl = pytest.importorskip("trl")
 
 PAIRS, STEPS, LR, CLIP = 8, 3, 1e-3, 1.0
 METRICS = ["loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-           "logps/chosen", "logps/rejected"]
+           "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"]
 
 
 def tiny_llama(tmp_path):
@@ -108,21 +109,25 @@ def plain_pytorch_history(model_dir, pairs, loss, sft_weight) -> list[dict]:
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokens = torch.tensor([[len(p["chosen_ids"]), len(p["rejected_ids"])] for p in pairs], dtype=torch.float32)
 
-    def logps() -> tuple[torch.Tensor, torch.Tensor]:
-        out = []
+    def logps() -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """The chosen and the rejected answers' log-probabilities, and the mean logit over each side's tokens."""
+        out, logit_means = [], []
         for key in ("chosen_ids", "rejected_ids"):
+            logit_sum = 0.0
             for p in pairs:
                 ids, n = torch.tensor([p["prompt_ids"] + p[key]]), len(p["prompt_ids"])
                 logits = model(ids).logits[0, n - 1 : -1].float()
                 out.append(F.log_softmax(logits, -1).gather(1, ids[0, n:, None]).sum())
-        return torch.stack(out[: len(pairs)]), torch.stack(out[len(pairs) :])
+                logit_sum += logits.detach().mean(-1).sum().item()
+            logit_means.append(logit_sum / sum(len(p[key]) for p in pairs))
+        return torch.stack(out[: len(pairs)]), torch.stack(out[len(pairs) :]), logit_means
 
     with torch.no_grad():
-        ref_chosen, ref_rejected = logps()
+        ref_chosen, ref_rejected, _ = logps()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), weight_decay=0.0)
     history = []
     for _ in range(STEPS):
-        chosen, rejected = logps()
+        chosen, rejected, (chosen_logits, rejected_logits) = logps()
         chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
         if loss == "ipo":
             value = ((chosen_ratio / tokens[:, 0] - rejected_ratio / tokens[:, 1] - 1 / 0.2) ** 2).mean()
@@ -137,6 +142,7 @@ def plain_pytorch_history(model_dir, pairs, loss, sft_weight) -> list[dict]:
                         "rewards/accuracies": (cr > rr).float().mean().item(),
                         "rewards/margins": (cr - rr).mean().item(),
                         "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item(),
+                        "logits/chosen": chosen_logits, "logits/rejected": rejected_logits,
                         "grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()})
         optimizer.step()
     return history

@@ -78,13 +78,18 @@ def _chunked_loss_sum(self: nn.Module, loss_positions: torch.Tensor, loss_target
     return total
 
 
-def chunk_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    softcap: float | None, reduction: str = "sum") -> torch.Tensor:
-    """The chunk's cross-entropy in fp32: summed, or per token (reduction "none", the preference loss's)."""
+def chunk_logits(head: nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The chunk's logits, upcast to fp32 as the loss takes them."""
     logits = head(hidden)
     if softcap:  # Gemma-2's final_logit_softcapping, in the compute dtype as the model's own forward does
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.float(), targets, reduction=reduction)
+    return logits.float()
+
+
+def chunk_cross_entropy(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                        softcap: float | None) -> torch.Tensor:
+    """The chunk's cross-entropy in fp32, summed."""
+    return F.cross_entropy(chunk_logits(head, hidden, softcap), targets, reduction="sum")
 
 
 def micro_batch_loss_sum(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -5,7 +5,8 @@ model returns it for every sequence of a micro-batch at once (`sequence_nll`, th
 states are taken at the label positions (found on the CPU, `sequence_loss_inputs`), the LM head and the
 cross-entropy run over `train.loss_chunk_tokens` of them at a time as the SFT loss does (raysft.model.loss), and the
 per-token values are summed into their sequences. A packed row holds many sequences: its cumulative lengths say
-which. `train.loss_chunk_tokens: 0` takes the values from the model's full logits instead.
+which. `train.loss_chunk_tokens: 0` takes the values from the model's full logits instead. Beside it, without
+gradient, each sequence's sum over its label positions of the mean logit over the vocabulary: TRL's `logits/*`.
 
 The loss per pair follows TRL's DPOTrainer (loss_type "sigmoid" and "ipo", and "sft" as `dpo.sft_weight`); the
 trainer sums it over a micro-batch's pairs and divides by the pairs of the global batch, so the step's loss is the
@@ -24,12 +25,15 @@ from torch.utils.checkpoint import checkpoint
 
 from raysft.config import DpoConfig
 from raysft.data import IGNORE_INDEX
-from raysft.model.loss import check_chunked_loss, chunk_cross_entropy
+from raysft.model.loss import check_chunked_loss, chunk_logits
 
 METHOD = "sequence_nll"
-# The per-pair sums a step reduces over the workers and divides by its pairs: TRL's metric names.
+# The step's means over its pairs (REWARD_METRICS) and over the label tokens of its chosen and rejected answers
+# (LOGIT_METRICS), under TRL's names.
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                   "logps/rejected")
+LOGIT_METRICS = ("logits/chosen", "logits/rejected")
+PAIR_METRICS = REWARD_METRICS + LOGIT_METRICS
 
 
 def sequence_loss_inputs(labels: torch.Tensor, cu_seq_lens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -46,7 +50,8 @@ def sequence_loss_inputs(labels: torch.Tensor, cu_seq_lens: torch.Tensor | None 
 def install_sequence_nll(model: nn.Module, chunk_tokens: int) -> None:
     """Give the (FSDP-wrapped) causal LM a `sequence_nll(num_sequences, loss_positions, loss_targets,
     loss_sequence, **batch)` method that runs as one of its forwards (FSDP gathers the root's parameters around
-    it), chunked over `chunk_tokens` label tokens (0: from the full logits)."""
+    it), chunked over `chunk_tokens` label tokens (0: from the full logits). It returns each sequence's summed
+    label NLL and, without gradient, its summed mean logits (`_chunk_nll`)."""
     if chunk_tokens:
         check_chunked_loss(model.config)
     setattr(model, METHOD, types.MethodType(_sequence_nll, model))
@@ -56,22 +61,32 @@ def install_sequence_nll(model: nn.Module, chunk_tokens: int) -> None:
 
 
 def _sequence_nll(self: nn.Module, num_sequences: int, loss_positions: torch.Tensor, loss_targets: torch.Tensor,
-                  loss_sequence: torch.Tensor, **batch) -> torch.Tensor:
+                  loss_sequence: torch.Tensor, **batch) -> tuple[torch.Tensor, torch.Tensor]:
     chunk = self.sequence_chunk_tokens
     if not chunk:
         logits = self(**batch, use_cache=False).logits
-        picked = logits.flatten(0, 1).index_select(0, loss_positions).float()
-        token_nll = F.cross_entropy(picked, loss_targets, reduction="none")
+        token_nll, mean_logits = _token_nll(logits.flatten(0, 1).index_select(0, loss_positions).float(),
+                                            loss_targets)
     else:
         hidden = self.get_decoder()(**batch, use_cache=False).last_hidden_state
         hidden = hidden.flatten(0, 1).index_select(0, loss_positions)
         head = self.get_output_embeddings()
         # at least one (maybe empty) chunk, so that every rank backpropagates through the model alike
-        token_nll = torch.cat([checkpoint(chunk_cross_entropy, head, hidden[s : s + chunk], loss_targets[s : s + chunk],
-                                          self.loss_softcap, "none", use_reentrant=False)
-                               for s in range(0, max(1, len(loss_targets)), chunk)])
-    return torch.zeros(num_sequences, dtype=token_nll.dtype, device=token_nll.device).index_add(
-        0, loss_sequence, token_nll)
+        parts = [checkpoint(_chunk_nll, head, hidden[s : s + chunk], loss_targets[s : s + chunk], self.loss_softcap,
+                            use_reentrant=False) for s in range(0, max(1, len(loss_targets)), chunk)]
+        token_nll, mean_logits = (torch.cat(values) for values in zip(*parts, strict=True))
+    sums = torch.zeros(num_sequences, dtype=token_nll.dtype, device=token_nll.device)
+    return sums.index_add(0, loss_sequence, token_nll), sums.index_add(0, loss_sequence, mean_logits)
+
+
+def _chunk_nll(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+               softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _token_nll(chunk_logits(head, hidden, softcap), targets)
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's NLL from its fp32 logits, and (no gradient) the mean of those logits over the vocabulary."""
+    return F.cross_entropy(logits, targets, reduction="none"), logits.detach().mean(-1)
 
 
 DROPOUT_LAYERS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -90,9 +105,11 @@ def disable_dropout(model: nn.Module) -> None:
                 setattr(module, name, 0.0)
 
 
-def sequence_logps(model: nn.Module, batch: dict, num_sequences: int) -> torch.Tensor:
-    """Each sequence's summed label log-probability (fp32), from a batch with `sequence_loss_inputs`."""
-    return -getattr(model, METHOD)(num_sequences, **batch)
+def sequence_logps(model: nn.Module, batch: dict, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's summed label log-probability (fp32), from a batch with `sequence_loss_inputs`, and (without
+    gradient) its sum over the label positions of the mean logit over the vocabulary."""
+    nll, logit_sums = getattr(model, METHOD)(num_sequences, **batch)
+    return -nll, logit_sums
 
 
 def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,

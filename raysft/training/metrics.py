@@ -126,14 +126,15 @@ class StepTotals:
         self.rows: list[tuple[float, dict, torch.Tensor]] = []
 
     def add(self, step_start: float, on_device: dict[str, torch.Tensor], on_host: dict,
-            pair_sums: dict[str, torch.Tensor] | None = None) -> None:
+            pair_means: dict[str, torch.Tensor] | None = None) -> None:
         """on_device: DEVICE values as 0-d tensors; on_host: HOST values plus the fields that need no reduction
-        (step, loss_tokens, lr, epoch, ...). pair_sums (train.objective dpo): sums over this rank's pairs, reported
-        as their means over the step's on_host["pairs"] (every step of a run has the same names)."""
-        sums = pair_sums or {}
+        (step, loss_tokens, lr, epoch, ...). pair_means (train.objective dpo): this rank's shares of the step's
+        means (its sums divided by the whole step's pairs or tokens), reported summed over the ranks (every step of
+        a run has the same names)."""
+        means = pair_means or {}
         values = torch.stack([on_device[k].detach().reshape(()).to(torch.float64) for k in self.DEVICE]
-                             + [v.detach().reshape(()).to(torch.float64) for v in sums.values()])
-        self.rows.append((step_start, {**on_host, "time": time.time(), "pair_means": list(sums)}, values))
+                             + [v.detach().reshape(()).to(torch.float64) for v in means.values()])
+        self.rows.append((step_start, {**on_host, "time": time.time(), "pair_means": list(means)}, values))
 
     def reduce(self) -> list[dict]:
         """Collective, at the same steps on every rank: the rows since the last call, reduced over the ranks."""
@@ -157,7 +158,7 @@ class StepTotals:
         for (_, host, _), total, peak, first_rank in zip(rows, sums, maxima, ranks[0].tolist(), strict=True):
             get = dict(zip(names, total, strict=True))
             row = {k: v for k, v in host.items() if k not in (*self.HOST, "loss_tokens", "pair_means")}
-            row.update({name: get[name] / host["pairs"] for name in means})
+            row.update({name: get[name] for name in means})
             row.update(loss=get["loss_sum"] / host["loss_tokens"], grad_norm=first_rank[names.index("grad_norm")],
                        tokens=int(get["tokens"]), computed_tokens=int(get["computed_tokens"]),
                        tokens_per_s=tokens / window_s,

@@ -32,7 +32,14 @@ from raysft.data.dataloader import (
     token_budget_micro_batches,
 )
 from raysft.model.lora import adapters_disabled
-from raysft.model.preference_loss import pair_losses, reward_sums, sequence_logps, sequence_loss_inputs
+from raysft.model.preference_loss import (
+    PAIR_METRICS,
+    REWARD_METRICS,
+    pair_losses,
+    reward_sums,
+    sequence_logps,
+    sequence_loss_inputs,
+)
 
 
 def pair_batch(batch: dict) -> dict:
@@ -44,11 +51,12 @@ def pair_batch(batch: dict) -> dict:
 
 @dataclass
 class PairStep:
-    """What a worker's part of a DPO step leaves for the trainer: its share of the step's loss (summed over the
-    workers it is the loss), the REWARD_METRICS sums of its pairs, and the token counts of its micro-batches."""
+    """What a worker's part of a DPO step leaves for the trainer: its share of the step's loss and of each of the
+    PAIR_METRICS (summed over the workers, the loss and the step's means), and the token counts of its
+    micro-batches."""
 
     loss: torch.Tensor
-    reward_sums: torch.Tensor
+    metrics: dict[str, torch.Tensor]
     lengths: list[int]
     computed_tokens: int
 
@@ -79,9 +87,11 @@ class PreferenceStep:
                          backward: Callable[[torch.Tensor], None]) -> PairStep:
         """Forward and `backward` (the trainer's: loss scaling, × world size) of every micro-batch of this worker."""
         o = self.cfg.dpo
-        chosen_total = max(1.0, float(self.answer_tokens[torch.as_tensor(pair_rows(pairs)[0::2])].sum()))
+        step_rows = pair_rows(pairs)
+        chosen_total, rejected_total = (max(1.0, float(self.answer_tokens[torch.as_tensor(step_rows[k::2])].sum()))
+                                        for k in (0, 1))
         loss_sum = torch.zeros((), device=self.device)
-        rewards = torch.zeros(6, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(PAIR_METRICS), dtype=torch.float64, device=self.device)
         lengths: list[int] = []
         computed = 0
         parts = self.micro_batches(pairs)
@@ -92,7 +102,7 @@ class PreferenceStep:
             computed += batch["input_ids"].numel()
             batch = to_device(pair_batch(batch), self.device)
             model.set_requires_gradient_sync(i == len(parts) - 1)  # reduce once per optimizer step
-            logps = sequence_logps(model, batch, len(rows))
+            logps, logit_sums = sequence_logps(model, batch, len(rows))
             ref = self._reference(model, batch, rows)
             tokens = self.answer_tokens[torch.as_tensor(rows)].to(self.device)
             losses = pair_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2], o)
@@ -101,11 +111,15 @@ class PreferenceStep:
                 loss = loss - o.sft_weight * logps[0::2].sum() / chosen_total
             backward(loss)
             loss_sum += loss.detach()
-            rewards += reward_sums(logps[0::2], logps[1::2], ref[0::2], ref[1::2], o.beta)
-        return PairStep(loss_sum, rewards, lengths, computed)
+            sums += torch.cat([reward_sums(logps[0::2], logps[1::2], ref[0::2], ref[1::2], o.beta),
+                               torch.stack([logit_sums[0::2].sum(), logit_sums[1::2].sum()]).double()])
+        # the rewards are means over the step's pairs, the logits over its chosen and its rejected answer tokens
+        divisors = torch.tensor([len(pairs)] * len(REWARD_METRICS) + [chosen_total, rejected_total],
+                                dtype=torch.float64, device=self.device)
+        return PairStep(loss_sum, dict(zip(PAIR_METRICS, sums / divisors, strict=True)), lengths, computed)
 
     def _reference(self, model: nn.Module, batch: dict, rows: np.ndarray) -> torch.Tensor:
         if self.reference is not None:
             return self.reference[torch.as_tensor(rows)].to(self.device, torch.float32)
         with torch.no_grad(), adapters_disabled(model):
-            return sequence_logps(model, batch, len(rows))
+            return sequence_logps(model, batch, len(rows))[0]

@@ -99,7 +99,7 @@ def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainCon
                 part = mine[i] if i < len(mine) else shares[rank][:1] if len(shares[rank]) else pairs[:1]
                 rows = pair_rows(part)
                 batch = pair_batch(collate(dataset, rows, pad_id, cfg.data.packing))
-                values = sequence_logps(model, to_device(batch, device), len(rows))
+                values, _ = sequence_logps(model, to_device(batch, device), len(rows))
                 if i < len(mine):
                     logps[torch.as_tensor(rows, device=device)] = values.double()
         dist.all_reduce(logps)

@@ -38,7 +38,7 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
-from raysft.model.preference_loss import REWARD_METRICS, disable_dropout, install_sequence_nll
+from raysft.model.preference_loss import disable_dropout, install_sequence_nll
 from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.parallel.fsdp import parallelize
 from raysft.parallel.layout import ParallelDims, gather_node_ranks
@@ -269,7 +269,7 @@ class Trainer:
             pairs = self.preference.forward_backward(
                 self.model, global_batch, lambda loss: self.scaler.scale(loss * ctx.world_size).backward())
             return self._optimizer_step(start, pairs.loss, 1, pairs.lengths, pairs.computed_tokens, reduce_metrics,
-                                        dict(zip(REWARD_METRICS, pairs.reward_sums, strict=True)), len(global_batch))
+                                        pairs.metrics, len(global_batch))
         # Normalize by the assistant tokens of the whole global batch, so the gradient is the same for any
         # split into workers, micro-batches and sequence slices (FSDP averages gradients over every worker,
         # sequence groups included: hence × world size).
@@ -287,7 +287,7 @@ class Trainer:
         return self._optimizer_step(start, loss_sum, loss_tokens, lengths, computed, reduce_metrics)
 
     def _optimizer_step(self, start: float, loss_sum: torch.Tensor, loss_tokens: int, lengths: list[int],
-                        computed: int, reduce_metrics: bool, pair_sums: dict | None = None, pairs: int = 0) -> dict:
+                        computed: int, reduce_metrics: bool, pair_means: dict | None = None, pairs: int = 0) -> dict:
         """Clip, step unless the step guard skips it, and keep the step's metrics. The step's loss is `loss_sum`
         summed over the ranks / `loss_tokens` (DPO: the ranks' shares of the mean, / 1)."""
         t, ctx = self.cfg.train, self.ctx
@@ -318,9 +318,9 @@ class Trainer:
         if skip:
             host["skip_reason"] = skip
             self.log.event("skipped_step", step=self.state.step, reason=skip)
-        if pair_sums:
+        if pair_means:
             host["pairs"] = pairs
-        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host, pair_sums)
+        self.totals.add(start, {"loss_sum": loss_sum, "grad_norm": grad_norm}, host, pair_means)
         return self.reduce_metrics() if reduce_metrics else {}
 
     def _micro_batches(self, global_batch):
