@@ -13,7 +13,7 @@ from raysft.config import DataConfig, ModelConfig
 from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
 from raysft.data.conversation import BadRecord
 from raysft.data.dataloader import TokenizedDataset, collate, pair_rows
-from raysft.data.preference import label_pair, to_pair
+from raysft.data.preference import SkippedPair, label_pair, to_pair
 from raysft.data.tokenizer import load_tokenizer
 from raysft.errors import DataError
 from raysft.launch.torchrun import launch
@@ -68,13 +68,76 @@ def test_a_multi_turn_prompt_keeps_its_assistant_turns_unlabelled(tok):
     ({"chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": RIGHT}],
       "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": WRONG}]}, "prompt_mismatch"),
     ({"prompt": QUESTION, "chosen": RIGHT * 40, "rejected": WRONG}, "answer_truncated"),
+    ({"prompt": QUESTION * 20, "chosen": RIGHT, "rejected": WRONG}, "prompt_too_long"),
     ({"prompt": QUESTION, "chosen": RIGHT}, "bad_structure"),
     ({"chosen": "Human: hi", "rejected": "Human: ho"}, "bad_structure"),
 ])
 def test_bad_pairs_are_refused_by_name(tok, record, reason):
     with pytest.raises(BadRecord) as e:
-        label_pair(tok, to_pair(record), 96)
+        label_pair(tok, to_pair(record), 96, truncation_mode="error")
+    assert e.value.reason == reason and not isinstance(e.value, SkippedPair)
+
+
+LONG_ANSWER = {"prompt": QUESTION, "chosen": RIGHT + " Indeed" * 60, "rejected": WRONG}
+LONG_PROMPT = {"prompt": QUESTION * 20, "chosen": RIGHT, "rejected": WRONG}
+
+
+def test_an_over_long_pair_is_cut_at_its_end_or_start_as_trl_does(tok):
+    """keep_start keeps each sequence's first data.max_seq_len tokens (the prompt and the answer's start), keep_end
+    its last ones (the answer's end, the prompt's start cut), each sequence on its own, the labels cut alike: TRL's
+    truncation_mode."""
+    whole = label_pair(tok, to_pair(LONG_ANSWER), 10_000)
+    for mode, cut in (("keep_start", slice(None, 96)), ("keep_end", slice(-96, None))):
+        chosen, rejected = label_pair(tok, to_pair(LONG_ANSWER), 96, truncation_mode=mode)
+        assert (chosen.input_ids, chosen.labels) == (whole[0].input_ids[cut], whole[0].labels[cut]), mode
+        assert rejected == whole[1]  # short enough: untouched
+        assert len(whole[0].input_ids) > 96 and sum(t != IGNORE_INDEX for t in chosen.labels[1:]) > 0
+    start, end = (label_pair(tok, to_pair(LONG_ANSWER), 96, truncation_mode=m)[0] for m in ("keep_start", "keep_end"))
+    assert tok.decode(start.input_ids).startswith(f"<|user|>\n{QUESTION}")
+    assert tok.decode([t for t in end.labels if t != IGNORE_INDEX]).endswith("Indeed Indeed<|end|>")
+    # a prompt longer than data.max_seq_len: keep_end keeps the answers and the prompt's end
+    chosen, rejected = label_pair(tok, to_pair(LONG_PROMPT), 96, truncation_mode="keep_end")
+    assert answer_text(tok, chosen) == RIGHT + "<|end|>" and answer_text(tok, rejected) == WRONG + "<|end|>"
+    assert len(chosen.input_ids) == len(rejected.input_ids) == 96
+
+
+@pytest.mark.parametrize(("mode", "record", "reason"), [
+    ("skip", LONG_ANSWER, "answer_truncated"), ("skip", LONG_PROMPT, "prompt_too_long"),
+    ("keep_start", LONG_PROMPT, "prompt_too_long")])
+def test_over_long_pairs_dropped_by_the_truncation_mode_are_skipped_pairs(tok, mode, record, reason):
+    with pytest.raises(SkippedPair) as e:
+        label_pair(tok, to_pair(record), 96, truncation_mode=mode)
     assert e.value.reason == reason
+
+
+def test_a_store_of_over_long_ultrafeedback_pairs_counts_what_each_truncation_mode_did(tmp_path, tok):
+    """UltraFeedback's format (a prompt string beside whole conversations), one pair with a long answer and one
+    with a long prompt among good ones: under the default data.on_bad_record error, prepare refuses them only
+    with dpo.truncation_mode error, naming the file, record and mode; skip and keep_start drop and count what
+    cannot be kept, whatever on_bad_record says; each mode is a store of its own."""
+    def ultrafeedback(r):
+        return {"prompt": r["prompt"], "chosen": [{"role": "user", "content": r["prompt"]},
+                                                   {"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["rejected"]}]}
+
+    path = tmp_path / "ultrafeedback.jsonl"
+    records = [FORMATS["trl plain text"], LONG_ANSWER, LONG_PROMPT, FORMATS["trl plain text"]]
+    path.write_text("".join(json.dumps(ultrafeedback(r)) + "\n" for r in records))
+    cfg = DataConfig(paths=[str(path)], max_seq_len=96)
+    with pytest.raises(DataError, match=r"ultrafeedback.jsonl: record 1: the chosen sequence has \d+ tokens, more "
+                                        r"than data.max_seq_len=96: its answer would be cut \(dpo.truncation_mode"):
+        prepare_store(cfg, tok, tmp_path / "stores", objective="dpo", truncation_mode="error")
+    stores = {}
+    for mode in ("skip", "keep_start", "keep_end"):
+        stores[mode] = prepare_store(cfg, tok, tmp_path / "stores", objective="dpo", truncation_mode=mode).path
+        assert read_manifest(stores[mode])["key"]["truncation_mode"] == mode
+    counts = {mode: read_manifest(store)["counts"] for mode, store in stores.items()}
+    assert counts["skip"]["pairs"] == 2 and counts["skip"]["skipped"] == {"answer_truncated": 1,
+                                                                          "prompt_too_long": 1}
+    assert counts["keep_start"]["pairs"] == 3 and counts["keep_start"]["skipped"] == {"prompt_too_long": 1}
+    assert counts["keep_start"]["truncated"] == 1  # the long answer's chosen sequence
+    assert counts["keep_end"]["pairs"] == 4 and counts["keep_end"]["truncated"] == 3
+    assert [r["record"] for r in read_store(stores["keep_start"], ["record"]).to_pylist()] == [0, 0, 1, 1, 3, 3]
 
 
 def test_a_prompt_the_template_renders_differently_per_answer_is_refused(tok):

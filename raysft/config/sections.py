@@ -248,6 +248,9 @@ class RunConfig:
     process exits with code 143 within this many seconds, checkpoint or not. Give the sender at least as long."""
 
 
+TruncationMode = Literal["keep_start", "keep_end", "skip", "error"]
+
+
 @dataclass
 class DpoConfig:
     beta: float = 0.1
@@ -259,6 +262,12 @@ class DpoConfig:
     sft_weight: float = 0.0
     """Adds this weight times the mean NLL of the chosen answers' tokens to the loss (RPO; TRL's loss_type
     ["sigmoid", "sft"] with loss_weights [1, w]); 0: off."""
+    truncation_mode: TruncationMode = "keep_start"
+    """A pair with a sequence longer than data.max_seq_len (TRL's truncation_mode, each sequence cut on its own):
+    "keep_start" cuts its end, "keep_end" its start (the prompt's beginning first), "skip" drops the pair, "error"
+    refuses it as a bad record (answer_truncated). A prompt that alone leaves no room for an answer token is
+    prompt_too_long: dropped by keep_start and skip, refused by error. Dropped pairs are counted per reason in the
+    store's manifest whatever data.on_bad_record says; cut sequences under counts.truncated."""
     disable_dropout: bool = True
     """Turn off the policy's dropout (TRL's disable_dropout): every dropout layer, model.lora.dropout's included, and
     the attention's attention_dropout. With dropout the policy's log-probabilities are noisy while the reference's

@@ -11,9 +11,14 @@ The formats users have:
 Messages are OpenAI (`role`/`content`) or ShareGPT (`from`/`value`), checked as raysft.data.conversation checks
 SFT records. The labels come from raysft.data.labels, the SFT machinery, with the prompt's own assistant turns as
 unsupervised context, so a template it refuses for SFT is refused here too. A pair is refused (a BadRecord whose
-reason counts under data.on_bad_record: skip) when the prompt's tokens differ between the two renderings, when the
-answers are the same tokens, or when either sequence is longer than data.max_seq_len (a cut answer's
-log-probability is not the answer's).
+reason counts under data.on_bad_record: skip) when the prompt's tokens differ between the two renderings or when
+the answers are the same tokens.
+
+A sequence longer than data.max_seq_len is what dpo.truncation_mode says (TRL's truncation_mode, each sequence
+cut on its own): "keep_start" cuts its end, "keep_end" its start (the prompt's beginning goes first), "skip" drops
+the pair and "error" refuses it (`answer_truncated`: a cut answer's log-probability is not the answer's). A prompt
+that leaves no room for an answer token is `prompt_too_long` under all but keep_end. Dropped pairs (SkippedPair)
+are counted in the store's manifest whatever data.on_bad_record says.
 """
 
 from __future__ import annotations
@@ -25,11 +30,18 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from raysft.config import DpoConfig
+from raysft.config.sections import TruncationMode
 from raysft.data.conversation import ROLES, BadRecord, Conversation, to_conversation
 from raysft.data.labels import IGNORE_INDEX, Labelled, label_conversation
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+class SkippedPair(BadRecord):
+    """A pair that dpo.truncation_mode drops (too long under "skip", its prompt too long under "keep_start"): counted
+    in the manifest under its reason and skipped whatever data.on_bad_record says, as TRL drops it."""
 
 
 @dataclass(frozen=True)
@@ -121,15 +133,14 @@ def _conversation(messages: list, tools: Any, system_prompt: str, key: str) -> C
         raise BadRecord(e.reason, f"'{key}': {e}") from None
 
 
-def label_pair(tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, max_seq_len: int) -> tuple[Labelled, Labelled]:
-    """(chosen, rejected): each the whole rendering, labels on its answer's tokens only."""
+def label_pair(tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, max_seq_len: int,
+               truncation_mode: TruncationMode = DpoConfig.truncation_mode) -> tuple[Labelled, Labelled]:
+    """(chosen, rejected): each the whole rendering, labels on its answer's tokens only, fitted into max_seq_len as
+    truncation_mode says (see the module's docstring)."""
     rows = [label_conversation(tokenizer, conv, sys.maxsize, context_turns=pair.context_turns)
             for conv in (pair.chosen, pair.rejected)]
     starts = []
     for row, key in zip(rows, ("chosen", "rejected"), strict=True):
-        if len(row.input_ids) > max_seq_len:
-            raise BadRecord("answer_truncated", f"the {key} sequence has {len(row.input_ids)} tokens, more than "
-                            f"data.max_seq_len={max_seq_len}: its answer would be cut")
         first = next((i for i, t in enumerate(row.labels[1:], 1) if t != IGNORE_INDEX), None)
         if first is None:
             raise BadRecord("no_assistant_tokens", f"the {key} answer has no token to learn")
@@ -140,4 +151,24 @@ def label_pair(tokenizer: PreTrainedTokenizerBase, pair: PreferencePair, max_seq
     if chosen.input_ids[: starts[0]] != rejected.input_ids[: starts[1]]:
         raise BadRecord("prompt_mismatch", "the chat template renders the prompt differently before the chosen and "
                         "the rejected answer, so the two are not answers to the same context")
+    if max(len(row.input_ids) for row in rows) <= max_seq_len:
+        return chosen, rejected
+    return _fit(rows, starts[0], max_seq_len, truncation_mode)
+
+
+def _fit(rows: list[Labelled], prompt: int, max_seq_len: int, mode: TruncationMode) -> tuple[Labelled, Labelled]:
+    """A pair with a sequence longer than max_seq_len, cut or refused by mode; `prompt` is its prompt's tokens."""
+    refusal = BadRecord if mode == "error" else SkippedPair
+    hint = " (dpo.truncation_mode: keep_end keeps the end of each sequence)" if mode == "error" else ""
+    if prompt >= max_seq_len and mode != "keep_end":  # a label at position max_seq_len or later: none is left
+        raise refusal("prompt_too_long", f"the prompt has {prompt} tokens, data.max_seq_len={max_seq_len} leaves no "
+                      f"room for an answer token{hint}")
+    if mode in ("error", "skip"):
+        key, row = max(zip(("chosen", "rejected"), rows, strict=True), key=lambda kr: len(kr[1].input_ids))
+        raise refusal("answer_truncated", f"the {key} sequence has {len(row.input_ids)} tokens, more than "
+                      f"data.max_seq_len={max_seq_len}: its answer would be cut" + (
+                          " (dpo.truncation_mode: keep_start or keep_end cuts it, skip drops such pairs)"
+                          if mode == "error" else ""))
+    cut = slice(None, max_seq_len) if mode == "keep_start" else slice(-max_seq_len, None)
+    chosen, rejected = (Labelled(row.input_ids[cut], row.labels[cut], row.rewritten_turns) for row in rows)
     return chosen, rejected

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from raysft.config import DataConfig
+from raysft.config import DataConfig, DpoConfig
+from raysft.config.sections import TruncationMode
 from raysft.data.readers import read_records
 from raysft.data.sources import Source, resolve_sources
 from raysft.data.store import (
@@ -38,13 +39,15 @@ from raysft.storage import built_then_renamed
 
 def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path,
                   split: Split = "train", objective: Objective = "sft",
-                  before_writing: Callable[[str], None] | None = None) -> StoreInfo:
+                  before_writing: Callable[[str], None] | None = None,
+                  truncation_mode: TruncationMode = DpoConfig.truncation_mode) -> StoreInfo:
     """Tokenize cfg.paths into `<store_root>/<fingerprint>` unless an identical store is already there.
 
-    `objective` "dpo" reads preference records into pairs of rows (raysft.data.preference, store.PAIR_SCHEMA); it is
-    part of the fingerprint, so an SFT and a DPO store of the same files never mix. Preference stores are tokenized
-    here, never on Ray. `before_writing(fingerprint)` runs before a new store is tokenized: a launch refuses there
-    what it would refuse anyway (another run's data), before anything is written.
+    `objective` "dpo" reads preference records into pairs of rows (raysft.data.preference, store.PAIR_SCHEMA),
+    fitted into cfg.max_seq_len as `truncation_mode` (dpo.truncation_mode) says; both are part of the fingerprint,
+    so an SFT and a DPO store of the same files never mix. Preference stores are tokenized here, never on Ray.
+    `before_writing(fingerprint)` runs before a new store is tokenized: a launch refuses there what it would refuse
+    anyway (another run's data), before anything is written.
 
     `split` "eval" is the validation store: cfg.eval_paths, or the records data.eval_fraction holds out of cfg.paths
     (then the "train" store lacks them). Where (data.prepare) is not part of the fingerprint: both ways write the
@@ -65,7 +68,8 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         "train_on": cfg.train_on,
         **({"eval_split": [cfg.eval_fraction, split]} if cfg.eval_fraction else {}),
         **({"stop_after_last_turn": stop} if (stop := appended_stop(tokenizer)) else {}),
-        **({"objective": objective, "pairs": PAIR_SCHEMA} if objective != "sft" else {}),
+        **({"objective": objective, "pairs": PAIR_SCHEMA, "truncation_mode": truncation_mode}
+           if objective != "sft" else {}),
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = store_root / fingerprint
@@ -85,7 +89,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
             if on_ray:
                 counts = tokenize_on_ray(cfg, tokenizer, sources, tmp, split)
             else:
-                counts = _tokenize_here(cfg, tokenizer, sources, tmp, split, objective)
+                counts = _tokenize_here(cfg, tokenizer, sources, tmp, split, objective, truncation_mode)
             manifest = {
                 "fingerprint": fingerprint,
                 "key": key,
@@ -109,8 +113,9 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
 
 
 def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path,
-                   split: Split = "train", objective: Objective = "sft") -> dict:
-    samples = Samples(tokenizer, cfg, objective)
+                   split: Split = "train", objective: Objective = "sft",
+                   truncation_mode: TruncationMode = DpoConfig.truncation_mode) -> dict:
+    samples = Samples(tokenizer, cfg, objective, truncation_mode)
     for source in sources:
         for index, record in read_records(source.path):
             samples.add(str(source.path), index, record, split_copies(cfg, split, source.weight, source.sha256, index))

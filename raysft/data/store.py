@@ -18,10 +18,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
-from raysft.config import DataConfig
+from raysft.config import DataConfig, DpoConfig
+from raysft.config.sections import TruncationMode
 from raysft.data.conversation import BadRecord, to_conversation
 from raysft.data.labels import IGNORE_INDEX, Labelled, label_conversation, marks_generation, template_profile
-from raysft.data.preference import label_pair, to_pair
+from raysft.data.preference import SkippedPair, label_pair, to_pair
 from raysft.data.sources import DataError, Source, copies
 
 STORE_FORMAT = 2  # 2: labels from the one rendering of the whole conversation (raysft.data.labels), tool calls
@@ -90,9 +91,12 @@ class Samples:
     """Tokenized records, in input order, and the counts the manifest keeps. The local path feeds it every record,
     a Ray task one chunk's: the same code on both sides is what makes the two stores agree."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, objective: Objective = "sft"):
-        """objective "dpo": each record is a preference pair (raysft.data.preference), two rows: see PAIR_SCHEMA."""
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, objective: Objective = "sft",
+                 truncation_mode: TruncationMode = DpoConfig.truncation_mode):
+        """objective "dpo": each record is a preference pair (raysft.data.preference), two rows: see PAIR_SCHEMA;
+        one longer than cfg.max_seq_len is what truncation_mode (dpo.truncation_mode) says."""
         self.tokenizer, self.cfg, self.objective = tokenizer, cfg, objective
+        self.truncation_mode = truncation_mode
         self.columns: dict[str, list] = {"input_ids": [], "labels": [], "num_loss_tokens": [], "source": [],
                                          "record": []}
         if objective == "dpo":
@@ -118,7 +122,7 @@ class Samples:
                 raise BadRecord("no_assistant_tokens_after_truncation",
                                 f"no assistant token is left within data.max_seq_len={self.cfg.max_seq_len}")
         except BadRecord as e:
-            if self.cfg.on_bad_record == "error":
+            if self.cfg.on_bad_record == "error" and not isinstance(e, SkippedPair):
                 raise DataError(f"{source}: record {index}: {e} "
                                 "(set data.on_bad_record=skip to skip such records)") from None
             self.skipped[e.reason] += 1
@@ -136,7 +140,8 @@ class Samples:
     def _label(self, record: Any) -> list[Labelled]:
         """The record's rows: one conversation, or a preference pair's chosen and rejected sequence."""
         if self.objective == "dpo":
-            return list(label_pair(self.tokenizer, to_pair(record, self.cfg.system_prompt), self.cfg.max_seq_len))
+            return list(label_pair(self.tokenizer, to_pair(record, self.cfg.system_prompt), self.cfg.max_seq_len,
+                                   self.truncation_mode))
         return [label_conversation(self.tokenizer, to_conversation(record, self.cfg.system_prompt),
                                    self.cfg.max_seq_len, self.cfg.train_on)]
 

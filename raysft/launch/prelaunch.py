@@ -58,6 +58,7 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
     store = prepare_store(config.data, tokenizer, config.store_dir, objective=config.train.objective,
+                          truncation_mode=config.dpo.truncation_mode,
                           before_writing=None if fresh else functools.partial(refuse_before_writing, config))
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
