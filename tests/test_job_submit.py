@@ -183,10 +183,12 @@ def test_ray_job_submit_trains_on_both_nodes_and_needs_the_token(cluster, tmp_pa
     size = sum((package / f).stat().st_size for f in files)
     assert size < 16 * 2**20, f"the working dir upload is {size / 2**20:.1f} MiB"
 
-    # The demo, shrunk: 6 steps, checkpoints at 3 and 6, one worker on each node.
+    # The demo, shrunk: 6 steps, checkpoints at 3 and 6, one worker on each node; its tokenizer by a path relative
+    # to the job's working directory, where the entrypoint runs (the workers run elsewhere, and had not found it).
     first = f"sft-{nonce}"
     rc, out = submit(cluster, first, "python", "jobs/sft.py", *DEMO, "--set", "train.max_steps=6", "--set",
-                     f"run.storage_path={storage}", "--set", f"run.name={name}")
+                     f"run.storage_path={storage}", "--set", f"run.name={name}",
+                     "--set", "model.tokenizer=raysft/assets/demo/tokenizer")
     assert rc == 0, out[-5000:]
     rc, out = ray_cli(cluster, "job", "status", "--address", cluster.dashboard, first)
     assert rc == 0 and f"Job '{first}' succeeded" in out, out
@@ -203,6 +205,11 @@ def test_ray_job_submit_trains_on_both_nodes_and_needs_the_token(cluster, tmp_pa
     worker_packages = cluster.state / "worker1" / "session_latest" / "runtime_resources" / "working_dir_files"
     assert list(worker_packages.glob("_ray_pkg_*/jobs/sft.py")), list(worker_packages.glob("*"))
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r] == [1, 2, 3, 4, 5, 6]
+    # the relative path was resolved once, on the driver, in the job's working directory on the head: the workers
+    # got the absolute path (raysft.launch.paths)
+    tokenizer = Path(json.loads((run_dir / "raysft_run.json").read_text())["model.tokenizer"])
+    assert tokenizer.is_relative_to(head_packages.resolve()) and tokenizer.parts[-4:] == (
+        "raysft", "assets", "demo", "tokenizer"), tokenizer
 
     # local.sh stop ends every process of the cluster, those the jobs started included.
     ours = cluster_pids(cluster.state, cluster.mark)

@@ -4,8 +4,8 @@ A config names files and directories: the model, the tokenizer, the data, a chat
 store and the memory tier's snapshots go. A relative one (`model.path: runs/demo-model`) means what it means to
 the user, in the directory where `raysft train`, `raysft plan`, `python -m raysft.run` or a `ray job submit`
 entrypoint runs (there: the job's working directory), and `~` is that user's home. The processes that read those
-paths need not run there: a local Ray's workers run in a directory of Ray's, a job's workers in their node's copy
-of the job's working directory, Ray Data tasks elsewhere again. So the driver resolves every path once, before
+paths need not run there: Ray's workers run in a directory of Ray's (under `ray job submit` too, not in the job's
+working directory), Ray Data tasks elsewhere again. So the driver resolves every path once, before
 the config is shipped to anyone (resolve_paths), and checks that what must exist does, naming the key, before Ray
 starts (check_paths); no worker ever interprets a relative path. A Ray worker checks that it sees what the driver
 saw (check_worker_paths): a directory missing on one node is no error a restart fixes, so it ends the run as one
