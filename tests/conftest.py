@@ -314,3 +314,28 @@ def gloo_pool(tmp_path_factory):
 def gloo_pool4(tmp_path_factory):
     with gloo_processes(4, tmp_path_factory.mktemp("gloo4")) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def uninterrupted4(gloo_pool4, tmp_path_factory):
+    """`uninterrupted` on 4 ranks (FULL_SHARD: on any nodes)."""
+    from raysft.launch.torchrun import launch
+
+    tmp = tmp_path_factory.mktemp("reference4")
+    cfg = run_config(tmp, "reference", **{"checkpoint.mode": "full"})
+    gloo_pool4.run(launch, cfg)
+    return sorted(step_losses(cfg.run_dir)), final_weights(cfg.run_dir, tmp / "hf")
+
+
+@pytest.fixture(scope="session")
+def faulted(gloo_pool, tmp_path_factory):
+    """The memory tier's tests' fault (tests/memory_tier_support.py): a run with a snapshot every step, each rank on
+    a node of its own, whose rank 1 died after step 8, its run directory and snapshots as the fault left them; each
+    test continues a copy of it (one fault, and one restart of the pool's processes, for all)."""
+    from memory_tier_support import FAULT_AT, launch_on_own_node, memory_config
+
+    tmp = tmp_path_factory.mktemp("faulted")
+    cfg = memory_config(tmp, "faulted")
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+    return cfg

@@ -339,6 +339,23 @@ def test_the_memory_tier_counts_staging_two_snapshots_and_a_partners_two_only_wi
     assert verdicts(total * 1.01) == ["yes", "NO"]  # in host memory, but /dev/shm is half of it
 
 
+def test_the_memory_tier_counts_the_node_that_receives_most_on_uneven_nodes():
+    """4 workers on 3 nodes (2, 1, 1): the node of 2 receives the copies of the last node's 1 worker and keeps its own
+    2; the node of 1 after it receives 2 (raysft.checkpoint.memory.transport.partners). The first needs most: 2
+    staged, 2 x 2 own, 2 x 1 received."""
+    from raysft.tools.plan import memory_tier_host
+
+    small = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1000)
+    cfg = load_config(None, ["model.tokenizer=builtin:demo", "scaling.num_workers=4",
+                             "checkpoint.memory_every_n_steps=1"])
+    result = plan(cfg, model_shape(cfg, small), Topology(4, 3))
+    part = result.save_host_bytes["sharded"]
+    tier = memory_tier_host(cfg, result)
+    assert tier.workers == 2
+    assert tier.terms == {"staging buffers": 2 * part, "own snapshots": 4 * part, "partner copies": 2 * part}
+
+
 def test_the_memory_tier_of_a_lora_run_counts_the_adapters_only():
     """A LoRA snapshot holds what trains (raysft.checkpoint.trainable): the adapters and their AdamW state."""
     from raysft.tools.plan import memory_tier_host

@@ -11,9 +11,8 @@ Modules, by role:
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
   state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors
   trainable     what is saved of a model with frozen parameters (LoRA): only what trains, its names checked
-  memory        the memory tier: snapshots in node-local memory as often as every step, a copy on another node,
-                resumed from when newer than the stored checkpoint
-  memory_files  a snapshot's part as a file in node-local memory: renamed when whole, mapped to send and receive
+  memory/       the memory tier: snapshots in node-local memory as often as every step, a copy on another node,
+                resumed from when newer than the stored checkpoint (its own modules, by role)
   dcp_read      DCP directories read without running code from them (a safe unpickler for the index)
   sinks         where parts are written and how a finished checkpoint is committed (run dir, upload, Ray)
   discovery     names, the checkpoint to resume from

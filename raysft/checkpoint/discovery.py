@@ -16,6 +16,7 @@ from raysft.storage import Location, location, native
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
 RUN_FILE = "raysft_run.json"  # what defines the run, recorded at its first launch (raysft.launch.prelaunch)
 RUN_ID_KEY = "run_id"  # in RUN_FILE: this run, not another of the same name started over with --fresh
+SET_ASIDE_KEY = "set_aside"  # in RUN_FILE: the ids of the runs --fresh replaced (their snapshots are reclaimed)
 
 
 def checkpoint_name(step: int, taken: frozenset[str] | set[str] = frozenset()) -> str:
@@ -93,3 +94,9 @@ def read_run_id(run_dir: Path | Location) -> str:
     if isinstance(recorded, str) and recorded.isalnum():
         return recorded
     return "r" + hashlib.sha256(f"{run_dir}\n{record}".encode()).hexdigest()[:31]
+
+
+def read_set_aside(run_dir: Path | Location) -> tuple[str, ...]:
+    """The ids of the runs this one replaced (`--fresh`): none of their snapshots is ever resumed from."""
+    ids = json.loads((location(run_dir) / RUN_FILE).read_text()).get(SET_ASIDE_KEY, [])
+    return tuple(i for i in ids if isinstance(i, str) and i.isalnum()) if isinstance(ids, list) else ()

@@ -26,9 +26,6 @@ RNG_FILE = "rng.safetensors"
 _STATE_KEYS = {"mode": str, "step": int, "cursor": dict, "scheduler": dict, "world_size": int}
 
 
-
-
-
 @dataclass
 class TrainState:
     step: int  # optimizer steps completed
@@ -86,15 +83,21 @@ def read_trainer_state(ckpt_dir: Path | Location) -> dict:
         state = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable trainer state: {e}") from e
+    return check_trainer_state(state, path)
+
+
+def check_trainer_state(state, where, modes: tuple[str, ...] = ("full", "sharded")) -> dict:
+    """`state` if it is a trainer state of this raysft's format, checked key by key, the mode one of `modes` (a
+    memory-tier snapshot's is "memory"); else CheckpointError naming `where` and the key."""
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         found = state.get("format_version") if isinstance(state, dict) else f"a JSON {type(state).__name__}"
-        raise CheckpointError(f"{path}: checkpoint format {found}, expected {FORMAT_VERSION}")
+        raise CheckpointError(f"{where}: checkpoint format {found}, expected {FORMAT_VERSION}")
     wrong = [k for k, tp in _STATE_KEYS.items() if not isinstance(state.get(k), tp)]
-    if wrong or state["mode"] not in ("full", "sharded"):
-        raise CheckpointError(f"{path}: not a raysft trainer state: {wrong[0] if wrong else 'mode'} is missing or "
+    if wrong or state["mode"] not in modes:
+        raise CheckpointError(f"{where}: not a raysft trainer state: {wrong[0] if wrong else 'mode'} is missing or "
                               f"of the wrong type ({state.get(wrong[0] if wrong else 'mode')!r})")
     if "step_guard" in state and (problem := state_problem(state["step_guard"])):  # absent: a fresh guard
-        raise CheckpointError(f"{path}: step_guard: {problem}")
+        raise CheckpointError(f"{where}: step_guard: {problem}")
     return state
 
 

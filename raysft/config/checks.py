@@ -100,8 +100,11 @@ def check_checkpoint(c: CheckpointConfig) -> None:
              f"must be >= 0 (0: no memory tier), got {c.memory_every_n_steps}")
     _require(math.isfinite(c.memory_copy_mb_per_s) and c.memory_copy_mb_per_s >= 0, "checkpoint.memory_copy_mb_per_s",
              f"must be a finite rate >= 0 (0: unbounded), got {c.memory_copy_mb_per_s}")
-    _require(bool(c.memory_dir) and not is_remote(c.memory_dir), "checkpoint.memory_dir",
-             f"must be a local directory (node-local shared memory, such as /dev/shm/raysft), got {c.memory_dir!r}")
+    _require(not is_remote(c.memory_dir), "checkpoint.memory_dir",
+             f"must be a local directory (node-local shared memory, such as /dev/shm/raysft-me; empty: "
+             f"/dev/shm/raysft-<uid>), got {c.memory_dir!r}")
+    _require(math.isfinite(c.memory_timeout_s) and c.memory_timeout_s > 0, "checkpoint.memory_timeout_s",
+             f"must be a finite number of seconds > 0, got {c.memory_timeout_s}")
 
 
 def check_data(d: DataConfig) -> None:

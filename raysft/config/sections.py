@@ -210,10 +210,16 @@ class CheckpointConfig:
     host memory per node, in the node's share of the weights and optimizer state: 1x staged, 2x for its newest 2
     snapshots and, with no replica on another node (FULL_SHARD, SHARD_GRAD_OP), 2x for its partner's; `raysft plan
     --host-mem-gib G` counts it and says whether it fits (docs/MEMORY.md)."""
-    memory_dir: str = "/dev/shm/raysft"
-    """Where each node keeps the memory tier's snapshots: node-local shared memory, which outlives the workers."""
+    memory_dir: str = ""
+    """Where each node keeps the memory tier's snapshots: node-local shared memory, which outlives the workers
+    (empty: /dev/shm/raysft-<uid>, this user's own). Used only if this user owns it and no other user may write it
+    or, without the sticky bit, its parent; else the tier stays off, named in the log. What the tier creates there
+    is this user's alone (directories 0700, files 0600)."""
     memory_copy_mb_per_s: float = 0.0
     """The rate at which each rank sends its snapshot to its partner on another node (0: as fast as it goes)."""
+    memory_timeout_s: float = 300.0
+    """The longest the memory tier waits for another rank (a copy's chunk, an agreement): a partner that never
+    answers turns the tier off, named in the log, and the run goes on with the stored checkpoints."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, new_run_id
+from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, SET_ASIDE_KEY, new_run_id, read_run_id
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
@@ -128,17 +128,20 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
         raise ConfigError(
             f"{run_dir} exists and is not a raysft run directory (no {RUN_FILE}); raysft neither writes into nor "
             "moves (--fresh) a directory it did not create: pick another run.name or run.storage_path")
-    moved = None
+    moved, set_aside = None, []
     if fresh and run_dir.children():
         moved = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
         run_dir.move_dir(moved)
+        if (moved / RUN_FILE).is_file():  # its snapshots in node memory are set aside with it
+            set_aside = [read_run_id(moved)]
     identity = resolve_identity(run_identity(config, data_fingerprint))
     path = run_dir / RUN_FILE
     if path.is_file():
         recorded = resolve_identity(json.loads(path.read_text()))  # a relative model.path of an older raysft
         if WEIGHTS_KEY not in recorded:  # started by a raysft that did not fingerprint the base: nothing to compare
             identity.pop(WEIGHTS_KEY, None)
-        changed = [k for k in {**recorded, **identity} if k != RUN_ID_KEY and recorded.get(k) != identity.get(k)]
+        changed = [k for k in {**recorded, **identity}
+                   if k not in (RUN_ID_KEY, SET_ASIDE_KEY) and recorded.get(k) != identity.get(k)]
         if len(changed) > 1 and INIT_KEY in changed:  # it follows model.lora or model.path: those are named
             changed.remove(INIT_KEY)
         if "model.path" in changed and WEIGHTS_KEY in changed:  # another directory: named as such
@@ -160,7 +163,8 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
                 f"with --fresh (the old run is kept beside it as {run_dir.name}.replaced-<time>)")
         return native(moved) if moved else None
     run_dir.mkdir()
-    path.write_text(json.dumps({**identity, RUN_ID_KEY: new_run_id()}, indent=1))
+    record = {**identity, RUN_ID_KEY: new_run_id(), **({SET_ASIDE_KEY: set_aside} if set_aside else {})}
+    path.write_text(json.dumps(record, indent=1))
     return native(moved) if moved else None
 
 

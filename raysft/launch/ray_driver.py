@@ -25,7 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysft.checkpoint.discovery import read_run_id
-from raysft.checkpoint.memory import remove_run
+from raysft.checkpoint.memory import remove_run, resolve_memory_dir
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.errors import CannotPlaceWorkers
@@ -170,7 +170,8 @@ def remove_snapshots(config: TrainConfig, other_hosts: bool = True, timeout_s: f
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        print(f"raysft: warning: the run's snapshots in {config.checkpoint.memory_dir}/{run_id} may be left on "
+        print(f"raysft: warning: the run's snapshots in {resolve_memory_dir(config.checkpoint.memory_dir) / run_id} "
+              "may be left on "
               f"other nodes: Ray did not answer within {timeout_s:g} s", file=sys.stderr)
 
 

@@ -24,7 +24,8 @@ of logits and in-flight gradients) and at its end (weights, gradients, optimizer
 The memory tier (checkpoint.memory_every_n_steps, raysft.checkpoint.memory) is counted per node, in host memory:
 with b a worker's part of the training state (its shards of the saved weights and of the optimizer state) and w the
 node's workers, staging buffers w b, its own newest 2 snapshots 2 w b in checkpoint.memory_dir, and, with one
-replica (FULL_SHARD, SHARD_GRAD_OP) on 2 nodes or more, the copies of its partner node's 2 snapshots, 2 w b.
+replica (FULL_SHARD, SHARD_GRAD_OP) on 2 nodes or more, the copies of the 2 snapshots its workers receive from the
+previous node, 2 r b (r = w on nodes of one size; on uneven ones, the node that needs most is counted).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from transformers import PretrainedConfig
 
 from raysft.checkpoint.checkpointer import FULL_SAVE_MAX_BYTES
+from raysft.checkpoint.memory import partners, resolve_memory_dir
 from raysft.config import ConfigError, TrainConfig
 from raysft.model.build import build_meta_model, decoder_layer_classes
 from raysft.model.lora import add_adapters
@@ -217,7 +219,7 @@ SNAPSHOTS_KEPT = 2  # raysft.checkpoint.memory.MemoryTier's keep: the newest who
 
 @dataclass(frozen=True)
 class MemoryTierHost:
-    """The memory tier's host memory on the node with the most workers (`memory_tier_host`)."""
+    """The memory tier's host memory on the node that needs most (`memory_tier_host`)."""
 
     workers: int  # on that node
     terms: dict[str, float]  # staging buffers (process memory), own snapshots and partner copies (memory_dir)
@@ -242,17 +244,23 @@ class MemoryTierHost:
 
 
 def memory_tier_host(cfg: TrainConfig, result: Plan) -> MemoryTierHost:
-    """The memory tier's host memory per node (raysft.checkpoint.memory): each worker's part of the training state
-    (what a sharded checkpoint of it holds) in staging buffers, its newest 2 snapshots on the node and, when a shard
-    has no replica on another node, the copies of the partner node's 2 snapshots."""
+    """The memory tier's host memory on the node that needs most (raysft.checkpoint.memory): each worker's part of
+    the training state (what a sharded checkpoint of it holds) in staging buffers, its newest 2 snapshots on the node
+    and, when a shard has no replica on another node, the 2 of each part the node's workers receive from the
+    previous node (as many as their own on nodes of one size; more on a node smaller than the one before it)."""
     topo = result.topology
-    workers = math.ceil(topo.workers / topo.nodes)
-    part = result.save_host_bytes["sharded"]
-    node = workers * part
+    node_ranks = [rank * topo.nodes // topo.workers for rank in range(topo.workers)]
     copies = topo.nodes > 1 and not replicated(cfg, topo)
-    terms = {"staging buffers": node, "own snapshots": SNAPSHOTS_KEPT * node,
-             "partner copies": SNAPSHOTS_KEPT * node if copies else 0.0}
-    return MemoryTierHost(workers, terms, topo.host_mem_bytes)
+
+    def parts(node: int) -> tuple[int, int]:  # (its workers' own parts, the parts they receive)
+        ranks = [r for r, n in enumerate(node_ranks) if n == node]
+        return len(ranks), sum(len(partners(node_ranks, r)[1]) for r in ranks) if copies else 0
+
+    own, received = max((parts(node) for node in sorted(set(node_ranks))), key=lambda p: 3 * p[0] + 2 * p[1])
+    part = result.save_host_bytes["sharded"]
+    terms = {"staging buffers": own * part, "own snapshots": SNAPSHOTS_KEPT * own * part,
+             "partner copies": SNAPSHOTS_KEPT * received * part}
+    return MemoryTierHost(own, terms, topo.host_mem_bytes)
 
 
 def render_memory_tier(cfg: TrainConfig, tier: MemoryTierHost, unit: str, size: float) -> list[str]:
@@ -261,15 +269,16 @@ def render_memory_tier(cfg: TrainConfig, tier: MemoryTierHost, unit: str, size: 
     state = "off (checkpoint.memory_every_n_steps: 0); were it on" if not every else f"every {every} step(s)"
     lines = [f"memory tier, host memory per node of {tier.workers} worker(s) ({unit}): {state}"]
     lines += [f"  {name:<17} {value / size:9.2f}" for name, value in tier.terms.items()]
+    memory_dir = resolve_memory_dir(cfg.checkpoint.memory_dir)
     lines.append(f"  total             {tier.total / size:9.2f}  ({tier.in_memory_dir / size:.2f} of it in "
-                 f"{cfg.checkpoint.memory_dir})")
+                 f"{memory_dir})")
     if tier.host_mem_bytes is None:
         lines.append("  fits: unknown (give --host-mem-gib)")
     else:
         host = tier.host_mem_bytes
         lines.append(f"  fits {host / GiB:.1f} GiB of host memory per node: {'yes' if tier.fits else 'NO'} "
                      f"({tier.total / host:.0%}, beside the workers' own host memory)")
-        if cfg.checkpoint.memory_dir.startswith("/dev/shm"):
+        if memory_dir.is_relative_to("/dev/shm"):
             lines.append(f"  fits /dev/shm at its default size, half the host memory ({host / 2 / GiB:.1f} GiB): "
                          f"{'yes' if tier.fits_dev_shm else 'NO (mount it larger, or set checkpoint.memory_dir)'}")
     return lines

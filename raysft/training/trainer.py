@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, TrainState, find_resume_dir
-from raysft.checkpoint.discovery import read_run_id, step_of
+from raysft.checkpoint.discovery import read_run_id, read_set_aside, step_of
 from raysft.checkpoint.memory import MemoryTier
 from raysft.config import TrainConfig
 from raysft.data.dataloader import (
@@ -142,9 +142,7 @@ class Trainer:
                                          preemption_deadline, stop_requested)
         self.dataset = TokenizedDataset(store)
         self.memory = self._memory_tier() if cfg.checkpoint.memory_every_n_steps else None
-        snapshot = self._newer_snapshot(resume_dir) if self.memory else None
-        if self.memory:
-            self.memory.resumed(snapshot[0] if snapshot else None)
+        snapshot = self.memory.find(step_of(resume_dir) if resume_dir else None) if self.memory else None
         resuming = resume_dir is not None or snapshot is not None
         reference = reference_file(store, cfg) if dpo and not cfg.model.lora.r else None
         # the reference pass needs the starting weights, also on a resume that finds no reference file
@@ -159,7 +157,7 @@ class Trainer:
                                              self.shard.dp_rank, self.shard.dp_size, ctx.device,
                                              self.tokenizer.pad_token_id)
         if snapshot is not None:
-            self.state, held = self.memory.restore(*snapshot)
+            self.state, held = self.memory.restore(snapshot)
             self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in held]
             self.log.event("resume", step=self.state.step, tier="memory", world_size=ctx.world_size)
         elif resume_dir is not None:
@@ -193,29 +191,11 @@ class Trainer:
         return read_reference(path, len(self.dataset))
 
     def _memory_tier(self) -> MemoryTier:
-        """Collective: the memory tier of this run on this worker's node. Under HYBRID_SHARD and NO_SHARD the
-        replicas of a shard (same place in the "shard" dimension of the mesh) hold the same values."""
-        cfg, dims = self.cfg, self.dims
-        run_id = from_rank0(lambda: read_run_id(cfg.run_dir))
-        c = cfg.checkpoint
-        return MemoryTier(self.objs, c.memory_every_n_steps, c.memory_dir, run_id,
-                          self.ctx.node or socket.gethostname(), f"{cfg.parallel.sharding} {dims}",
-                          dims.shard_place(self.ctx.rank), dims.replicate > 1, c.memory_copy_mb_per_s, log=self.log)
-
-    def _newer_snapshot(self, resume_dir: Path | None) -> tuple | None:
-        """Collective: (step, sources) of the memory tier's newest whole step if it is newer than the stored
-        checkpoint to resume from; else None, with the reason in the log when a snapshot was looked for."""
-        stored = step_of(resume_dir) if resume_dir is not None else 0
-        step, why, sources = self.memory.newest_whole()
-        if step is not None and step > stored:
-            why = self.memory.fetch(step, sources)  # parts held on other nodes, sent to their ranks
-            if not why:
-                return step, sources
-        elif step is not None:
-            why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {step}"
-        if resume_dir is not None or step is not None:
-            self.log.event("memory_tier_not_used", reason=why, stored_step=stored)
-        return None
+        """Collective: the memory tier of this run on this worker's node (raysft.checkpoint.memory)."""
+        cfg = self.cfg
+        run_id, set_aside = from_rank0(lambda: (read_run_id(cfg.run_dir), read_set_aside(cfg.run_dir)))
+        return MemoryTier(self.objs, cfg.checkpoint, run_id, self.ctx.node or socket.gethostname(), self.dims,
+                          cfg.parallel.sharding, self.ctx.device, self.log, set_aside)
 
     def train(self) -> dict:
         t = self.cfg.train
@@ -313,6 +293,8 @@ class Trainer:
                 "tokens": sum(lengths), "computed_tokens": computed, "peak_mem_gb": peak_memory_gb(ctx.device),
                 "flops": training_flops(lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)}
         host.update(skipped=skip is not None, skipped_steps=self.state.skipped_steps)
+        if self.memory is not None:  # snapshots passed over so far (raysft.checkpoint.memory: never silent)
+            host["memory_snapshots_skipped"] = self.memory.skipped
         if loss_scale is not None:
             host["loss_scale"] = loss_scale
         if skip:

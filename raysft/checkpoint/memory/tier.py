@@ -1,0 +1,421 @@
+"""The memory tier's object on each worker: snapshots as often as every step (`snapshot`), and the resume from the
+newest whole one (`find`, then `restore`).
+
+A snapshot: every rank's part of one step, `<memory_dir>/<run id>/<node>/step_<step>/rank_<rank>.safetensors`,
+holding its shards of the weights and optimizer state as they are in memory (no gathering, no planner) and, in its
+header, the trainer state, every rank's RNG state and metrics not yet logged, the layout the shards were cut for
+and the launch attempt that wrote it. The step starts the copy into the staging buffer (.staging) and goes on; the
+tier's thread writes the file (.files), sends it to another node (.transport) and keeps the node's newest whole
+step beside the one being written (.directory).
+
+Resume (collective): every rank lists what its node holds; the newest step of which one launch attempt left every
+rank's part somewhere, cut for this launch's layout, wins if it is newer than the stored checkpoint; parts on
+other nodes are sent to their ranks; each rank loads and checks its part (it fits the model, holds no NaN or
+inf, its trainer state is sound), and only if every rank's does is it applied. Anything else falls back to the
+stored checkpoint, with the reason in the log (`memory_tier_not_used`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+from raysft.checkpoint.memory.directory import (
+    LIVE_FILE,
+    STEP_PREFIX,
+    arrive,
+    check_memory_dir,
+    directory_lock,
+    keep_only,
+    make_private_dirs,
+    resolve_memory_dir,
+    step_dir,
+)
+from raysft.checkpoint.memory.files import FORMAT, finite_problem, header_problem, read_header, write_part
+from raysft.checkpoint.memory.staging import Stager
+from raysft.checkpoint.memory.transport import Transport
+from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state, trainer_state_dict
+from raysft.checkpoint.trainable import state_dict_options
+from raysft.config import CheckpointConfig
+from raysft.parallel.collectives import from_rank0
+from raysft.parallel.layout import ParallelDims
+
+
+@dataclass(frozen=True)
+class Held:
+    """A rank's part of a step, found in a node's directory."""
+
+    step: int
+    rank: int  # whose part it is
+    holder: int  # a rank of the node that has the file
+    path: str  # the file, on the holder's node
+    attempt: str  # the launch attempt that wrote it
+    replica: int  # the rank's place in its shard group: its replicas (HYBRID_SHARD, NO_SHARD) share it
+    replicated: bool
+    world_size: int
+    layout: dict
+
+
+@dataclass
+class Found:
+    """A snapshot every rank has loaded and checked, ready to `restore`."""
+
+    step: int
+    header: dict
+    tensors: dict[str, torch.Tensor]
+
+
+class MemoryTier:
+    """Snapshots of the training state in node-local memory, and the resume from them. The constructor is collective
+    (the tier's groups, every rank's node, the directory's checks); so are the methods that say so."""
+
+    def __init__(self, objs: TrainingObjects, c: CheckpointConfig, run_id: str, node: str, dims: ParallelDims,
+                 sharding: str, device: torch.device, log, set_aside: tuple[str, ...] = ()):
+        self.objs, self.every, self.run_id, self.log = objs, c.memory_every_n_steps, run_id, log
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        nodes: list = [None] * self.world_size
+        dist.all_gather_object(nodes, node)
+        self.nodes = nodes
+        self.layout = {"sharding": sharding, "replicate": dims.replicate, "shard": dims.shard,
+                       "sequence": dims.sequence}
+        self.replicas = [dims.shard_place(r) for r in range(self.world_size)]
+        # a rank's replica on another node holds its shards: no copy is sent when every rank has one
+        self.replicated = len(set(nodes)) > 1 and all(
+            any(self.replicas[o] == self.replicas[r] and nodes[o] != nodes[r] for o in range(self.world_size))
+            for r in range(self.world_size))
+        self.attempt = from_rank0(lambda: f"{time.time_ns():016x}{secrets.token_hex(4)}")  # sorts by time
+        self.transport = Transport(nodes, self.rank, c.memory_timeout_s, c.memory_copy_mb_per_s,
+                                   send_copies=not self.replicated)
+        self.control = dist.new_group(backend="gloo")  # the step path's agreements, without a wait for the device
+        self.stager = Stager(device)
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysft-memory")
+        self.pending: Future | None = None
+        self.allocation: Future | None = None  # the staging buffer's, in the tier's thread
+        self.whole: int | None = None  # the newest step whole on every node: kept while the next one is written
+        self.taken = self.skipped = 0
+        self.skip_reasons: set[str] = set()
+        self.off: str | None = None  # why the tier is off (its directory refused, host memory short, ...)
+        self.dir, self.live_fd = Path(), None
+        problem = None
+        try:
+            root = resolve_memory_dir(c.memory_dir)
+            problem = check_memory_dir(root)
+            if problem is None:
+                self.dir, self.live_fd = arrive(root, run_id, node, set_aside)
+        except (OSError, TimeoutError) as e:
+            problem = f"checkpoint.memory_dir: {type(e).__name__}: {e}"
+        problems = self._gather(problem)
+        if any(problems):
+            self._turn_off(problems, "no snapshot is written there; the stored checkpoints go on. Give "
+                                     "checkpoint.memory_dir a directory of this user's own, or leave it empty "
+                                     "(/dev/shm/raysft-<uid>)")
+        if torch.cuda.is_available() and device.type == "cuda":
+            objs.optimizer.register_step_pre_hook(lambda *_: self.stager.before_update())
+
+    # --- taking snapshots ---------------------------------------------------------------------------------------
+
+    def snapshot(self, state: TrainState, held: list[tuple[float, dict, torch.Tensor]] = ()) -> bool:
+        """Collective: take a snapshot of the state at `state.step` if one is due and the previous one is written on
+        every rank; else it is passed over (counted, `skipped`), and the tier keeps up at the pace the host allows.
+        The step only starts the copy into host memory; the rest happens in the tier's thread.
+
+        `held`: the steps' metrics not yet reduced and logged (raysft.training.metrics.StepTotals rows), kept with
+        the snapshot so that a resume from it logs them too."""
+        if not self.every or self.off:
+            return False
+        if state.step % self.every:
+            if self.pending is None and self.objs.optimizer.state:  # the same steps on every rank
+                self._allocate(self._tensors())  # ahead of the first snapshot: its buffer is ready when it is due
+            return False
+        tensors = self._tensors()
+        if not self._ready(tensors, state.step):
+            return False
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.stager.cuda:
+            rng["cuda"] = torch.cuda.get_rng_state()
+        values = self.stager.small(torch.stack([v for _, _, v in held])) if held else None
+        self.stager.copy(tensors)
+        header = {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "step": state.step,
+                  "rank": self.rank, "world_size": self.world_size, "layout": self.layout,
+                  "replica": self.replicas[self.rank], "replicated": self.replicated,
+                  "trainer_state": trainer_state_dict("memory", self.objs, state),
+                  "metrics_rows": [[start, host] for start, host, _ in held]}  # every rank's, once gathered
+        self.pending = self.writer.submit(self._write_and_copy, state.step, header, rng, values, self.whole)
+        self.whole = state.step  # once written: every rank has agreed to write it, and the next one waits for it
+        self.taken += 1
+        return True
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of the weights and optimizer state, by name, as they are in memory."""
+        model_sd, optim_sd = get_state_dict(self.objs.model, self.objs.optimizer,
+                                            options=state_dict_options(self.objs.model))
+        return {name: v.to_local() if isinstance(v, DTensor) else v for name, v in _flatten(model_sd, optim_sd).items()}
+
+    def _idle(self) -> bool:
+        return self.pending is None or self.pending.done()
+
+    def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
+        shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
+        self.pending = self.allocation = self.writer.submit(self.stager.allocate, shapes)
+
+    def _ready(self, tensors: dict[str, torch.Tensor], step: int) -> bool:
+        """Collective: whether every rank has written its previous snapshot and has a staging buffer for this one.
+        If a previous one failed on some rank (host memory short, a partner that never answered), the tier turns
+        off on every rank at once, with one event naming the rank and the error: the stored checkpoints go on."""
+        idle = self._idle()
+        error = self.pending.exception() if self.pending is not None and idle else None
+        fits = self.stager.fits(tensors)
+        if idle and error is None and not fits:
+            self._allocate(tensors)
+        # 0: ready; 1: the previous snapshot still being written; 2: the staging buffer being allocated
+        waiting = 0 if idle and fits else 2 if not fits or not self.allocation.done() else 1
+        flags = torch.tensor([int(error is not None), waiting])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        if flags[0]:
+            self._turn_off(self._gather(None if error is None else f"{type(error).__name__}: {error}"),
+                           "the stored checkpoints go on; check the free space of checkpoint.memory_dir")
+            return False
+        if not flags[1]:
+            return True
+        reason = ("the previous snapshot is still being written" if flags[1] == 1 else
+                  "the staging buffer is being allocated (for the first snapshot, or for a state of new shapes)")
+        self.skipped += 1
+        if reason not in self.skip_reasons and self.log is not None:  # each reason once; every skip is counted
+            self.log.event("memory_snapshot_skipped", step=step, reason=reason,
+                           hint="counted in each step's memory_snapshots_skipped; a snapshot every "
+                                "checkpoint.memory_every_n_steps that the host can write in time is never skipped")
+        self.skip_reasons.add(reason)
+        return False
+
+    def _write_and_copy(self, step: int, header: dict, rng: dict[str, torch.Tensor], values: torch.Tensor | None,
+                        whole: int | None) -> None:
+        """In the tier's thread: wait for the copy, gather every rank's RNG state and metrics held (a replica's part
+        stands in for a lost rank's, so each part carries every rank's), write the part, send it off the node."""
+        self.stager.landed()
+        extra = {}
+        for kind, state in rng.items():
+            extra.update({f"rng.{kind}.{r}": t for r, t in enumerate(self.transport.all_gather(state))})
+        header["metrics_rows"] = self.transport.all_gather_object(header["metrics_rows"])
+        header["metrics_values"] = [t.tolist() for t in self.transport.all_gather(values)] if values is not None \
+            else [[] for _ in range(self.world_size)]
+        path, error = self._file(step, self.rank), None
+        try:
+            keep_only(self.dir, {s for s in (whole, step) if s is not None})  # 2 steps at most on the node
+            make_private_dirs(path.parent)
+            write_part(path, self.stager.buffer, self.stager.slots, extra, header)
+            os.utime(self.dir.parent / LIVE_FILE)  # the run is alive on this node (raysft...directory.reclaim)
+        except Exception as e:  # noqa: BLE001 - raised below; the partner still takes part in the exchange,
+            path, error = None, e  # or its thread would wait for ours
+        self.transport.exchange(path, lambda rank: self._new_file(step, rank))
+        if error is not None:
+            raise error
+
+    def _file(self, step: int, rank: int) -> Path:
+        return step_dir(self.dir, step) / f"rank_{rank}.safetensors"
+
+    def _new_file(self, step: int, rank: int) -> Path:
+        """Where a part received from another node goes, its step's directory made (0700)."""
+        make_private_dirs(step_dir(self.dir, step))
+        return self._file(step, rank)
+
+    def _turn_off(self, problems: list, hint: str) -> None:
+        self.off = "; ".join(f"rank {r} ({self.nodes[r]}): {p}" for r, p in enumerate(problems) if p)
+        if self.log is not None:
+            self.log.event("memory_tier_off", reason=self.off, hint=hint)
+
+    def _gather(self, value) -> list:
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def finish(self) -> None:
+        """Wait for the snapshot being written (its failure only turns the tier off: the stored tier goes on). Each
+        of its waits is bounded (checkpoint.memory_timeout_s)."""
+        if self.pending is not None:
+            self.pending.exception()
+
+    def close(self, remove: bool = False) -> None:
+        """Collective: stop taking snapshots; with `remove`, every node's snapshots of the run go (once every rank
+        is done with them)."""
+        self.finish()
+        self.writer.shutdown()
+        self.stager.release()
+        if self.log is not None and self.every:
+            self.log.event("memory_tier_end", snapshots=self.taken, skipped=self.skipped, off=self.off)
+        if remove:
+            dist.barrier()  # training's group: the tier's may have timed out
+            if self.live_fd is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                run = self.dir.parent
+                with contextlib.suppress(OSError, TimeoutError), directory_lock(run.parent):
+                    if [p.name for p in run.iterdir()] == [LIVE_FILE]:  # its last node on this host
+                        (run / LIVE_FILE).unlink()
+                        run.rmdir()
+        if self.live_fd is not None:
+            os.close(self.live_fd)
+            self.live_fd = None
+
+    # --- resuming ------------------------------------------------------------------------------------------------
+
+    def find(self, stored: int | None) -> Found | None:
+        """Collective: the newest whole snapshot if it is newer than the stored checkpoint of step `stored` (None: no
+        stored checkpoint), loaded and checked on every rank; else None, with the reason in the log. Either way,
+        the node then keeps only the snapshot resumed from: newer ones (left by a fault when the stored checkpoint
+        is used) would otherwise be taken for newer than every snapshot to come."""
+        if self.off:
+            return None
+        step, why, sources = self._newest_whole()
+        found = None
+        if step is not None and step > (stored or 0):
+            why = self._fetch(step, sources)
+            if not why:
+                found, why = self._load(step, sources)
+        elif step is not None:
+            why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {step}"
+        if found is None and (stored is not None or step is not None) and self.log is not None:
+            self.log.event("memory_tier_not_used", reason=why, stored_step=stored or 0)
+        keep_only(self.dir, {found.step} if found else set())
+        self.whole = found.step if found else None
+        return found
+
+    def _newest_whole(self) -> tuple[int | None, str, dict[int, Held]]:
+        """Collective: the newest step one attempt left every rank's part of on some node, with where each part is;
+        or None and why not. The same on every rank."""
+        held, ignored = self._held()
+        everyone = self._gather((held, ignored))
+        if self.log is not None:
+            for path, problem in sorted({item for _, bad in everyone for item in bad}):
+                self.log.event("memory_part_ignored", file=path, reason=problem)
+        parts: dict[tuple[int, str], dict[int, list[Held]]] = {}
+        for found, _ in everyone:
+            for h in found:
+                parts.setdefault((h.step, h.attempt), {}).setdefault(h.rank, []).append(h)
+        why = None
+        for key in sorted(parts, reverse=True):  # newest step first; of one step, the newest attempt first
+            chosen, problem = self._sources(key[0], parts[key])
+            if chosen is not None:
+                return key[0], "", chosen
+            why = why or problem
+        return None, why or "no snapshot in memory", {}
+
+    def _held(self) -> tuple[list[Held], list[tuple[str, str]]]:
+        """What this rank's node holds of the run, and the files that are no usable part (with why)."""
+        found, ignored = [], []
+        for path in sorted(self.dir.glob(f"{STEP_PREFIX}*/rank_*.safetensors")):
+            header = read_header(path)
+            problem = "not a whole snapshot file" if header is None else header_problem(header, path)
+            if problem is None and header["run_id"] != self.run_id:
+                problem = f"a part of run {header['run_id']}, not of this run ({self.run_id})"
+            if problem is not None:
+                ignored.append((str(path), problem))
+                continue
+            found.append(Held(header["step"], header["rank"], self.rank, str(path), header["attempt"],
+                              header["replica"], header["replicated"], header["world_size"], header["layout"]))
+        return found, ignored
+
+    def _sources(self, step: int, parts: dict[int, list[Held]]) -> tuple[dict[int, Held] | None, str]:
+        """For each rank of this launch, the part of one attempt's `step` it loads and who holds it (a rank of its
+        own node if any does), or why that attempt's step cannot be used."""
+        for h in (h for hs in parts.values() for h in hs):
+            if h.world_size != self.world_size or h.layout != self.layout:
+                return None, (f"the snapshot of step {step} was cut for {h.world_size} workers ({_layout(h.layout)}),"
+                              f" this launch has {self.world_size} ({_layout(self.layout)}): a snapshot resumes "
+                              "only on the layout it was taken on")
+        any_part = next(iter(parts.values()))[0]
+        chosen = {}
+        for rank in range(self.world_size):
+            candidates = parts.get(rank, [])
+            if any_part.replicated:  # a replica's part holds the same shards
+                candidates = [h for hs in parts.values() for h in hs if h.replica == self.replicas[rank]]
+            if not candidates:
+                return None, (f"no node holds rank {rank}'s part of step {step} (nor a copy of it) from launch "
+                              f"attempt {any_part.attempt}")
+            local = [h for h in candidates if self.nodes[h.holder] == self.nodes[rank]]
+            chosen[rank] = (local or sorted(candidates, key=lambda h: h.holder))[0]
+        return chosen, ""
+
+    def _fetch(self, step: int, sources: dict[int, Held]) -> str:
+        """Collective: every part held only on another node than its rank's is sent to that rank (and kept on its
+        node, for a fault to come); "" once every rank has its part at hand, else why not (the stored checkpoint
+        is used then)."""
+        moves = [(rank, h.holder, Path(h.path)) for rank, h in sorted(sources.items())
+                 if self.nodes[h.holder] != self.nodes[rank]]
+        why = self.transport.fetch(moves, lambda rank: self._new_file(step, rank))
+        return why.replace("its part:", f"its part of step {step}:")
+
+    def _load(self, step: int, sources: dict[int, Held]) -> tuple[Found | None, str]:
+        """Collective: each rank reads its part and checks it against its own shards (names, shapes, dtypes), for
+        NaN and inf, and for its RNG state; the snapshot is used only if every rank's passes."""
+        held = sources[self.rank]
+        path = Path(held.path) if self.nodes[held.holder] == self.nodes[self.rank] else self._file(step, self.rank)
+        found, problem = None, None
+        try:
+            header, tensors = read_header(path), load_file(path)
+            problem = (header_problem(header, path) if header is not None else "not a whole snapshot file") or \
+                _fit_problem(tensors, self._tensors(), self.rank) or finite_problem(tensors)
+            found = Found(step, header, tensors)
+        except Exception as e:  # noqa: BLE001 - a file changed or cut since it was listed: one reason among the ranks'
+            problem = f"{type(e).__name__}: {e}"
+        problems = self._gather(None if problem is None else f"{path}: {problem}")
+        if any(problems):
+            return None, "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p) + \
+                f" (the snapshot of step {step} is set aside)"
+        return found, ""
+
+    def restore(self, found: Found) -> tuple[TrainState, list]:
+        """Collective: apply the snapshot `find` returned, each rank its own part. Returns the state to go on from and
+        the metrics rows held with it (this rank's, whichever file they came from)."""
+        model_sd, optim_sd = get_state_dict(self.objs.model, self.objs.optimizer,
+                                            options=state_dict_options(self.objs.model))
+        for name, target in _flatten(model_sd, optim_sd).items():
+            local = target.to_local() if isinstance(target, DTensor) else target
+            local.detach().copy_(found.tensors[name])
+        set_state_dict(self.objs.model, self.objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=state_dict_options(self.objs.model))
+        torch.set_rng_state(found.tensors[f"rng.cpu.{self.rank}"])
+        if f"rng.cuda.{self.rank}" in found.tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(found.tensors[f"rng.cuda.{self.rank}"])
+        header = found.header
+        rows, values = header["metrics_rows"][self.rank], header["metrics_values"][self.rank]
+        held = [(start, host, torch.tensor(v, dtype=torch.float64)) for (start, host), v in zip(rows, values,
+                                                                                                strict=True)]
+        return restore_trainer_state(header["trainer_state"], self.objs), held
+
+
+def _fit_problem(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rank: int) -> str | None:
+    """Why a part's tensors are not this rank's shards of the model (another model, or another rank's cut)."""
+    if f"rng.cpu.{rank}" not in tensors:
+        return f"no RNG state of rank {rank}"
+    stored = {k for k in tensors if not k.startswith("rng.")}
+    if stored != set(expected):
+        extra, missing = sorted(stored - set(expected)), sorted(set(expected) - stored)
+        return f"its tensors are not this model's: {'missing ' + missing[0] if missing else 'unknown ' + extra[0]}"
+    for name, t in expected.items():
+        if tensors[name].shape != t.shape or tensors[name].dtype != t.dtype:
+            return (f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, this rank's shard is "
+                    f"{tuple(t.shape)} {t.dtype}")
+    return None
+
+
+def _layout(layout: dict) -> str:
+    return f"{layout.get('sharding')}, replicate {layout.get('replicate')} x shard {layout.get('shard')} x " \
+           f"sequence {layout.get('sequence')}"
+
+
+def _flatten(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
+    flat = {f"model.{k}": v for k, v in model_sd.items()}
+    for fqn, state in optim_sd.get("state", {}).items():
+        flat.update({f"optim.{fqn}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return flat

@@ -1,0 +1,248 @@
+"""The memory tier where users run it (issue 43's round): nodes of uneven sizes, a partner that never answers,
+directories other users share, parts a fault, a bug or another launch left, and HYBRID_SHARD's replicas standing
+in for lost ranks. Each test fails without the fix it names. tests/memory_tier_support.py says how nodes and faults
+are stood in for."""
+
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_config
+from memory_tier_support import (
+    FAULT_AT,
+    assert_same_run,
+    continue_copy,
+    launch_on_nodes,
+    launch_on_own_node,
+    launch_two_a_node,
+    memory_config,
+    node_dir,
+    part,
+    rewrite_part,
+    tier_patched,
+)
+
+from raysft.checkpoint.discovery import read_run_id
+from raysft.checkpoint.memory.directory import check_memory_dir
+from raysft.training.metrics import read_metrics
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user (nobody) needs root")
+
+
+def resumes(cfg) -> list[tuple[int, str | None]]:
+    return [(m["step"], m.get("tier")) for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"]
+
+
+def events(cfg, kind: str) -> list[dict]:
+    return [m for m in read_metrics(cfg.run_dir) if m.get("event") == kind]
+
+
+# --- uneven nodes, and a partner that never answers ------------------------------------------------------------
+
+def test_uneven_nodes_snapshot_with_a_copy_off_each_node_and_a_lost_node_costs_no_step(tmp_path, gloo_pool4,
+                                                                                      uninterrupted4):
+    """3 workers on one node, 1 on another (Ray fills each node before the next). Before, rank 3's copy went to
+    rank 0 while rank 0 waited for rank 3's... and ranks 1 and 2 sent to rank 3, which waited for rank 0 only: the
+    tier's threads waited until gloo's timeout and the run hung at its end. Now rank 3 receives the parts of ranks
+    0, 1 and 2, and its own goes to rank 0: with node b lost after step 8, its part comes from node a."""
+    nodes = ["a", "a", "a", "b"]
+    cfg = memory_config(tmp_path, "uneven")
+    with pytest.raises(RuntimeError, match=r"died .*\{3: 9\}"):
+        gloo_pool4.run(launch_on_nodes, cfg, nodes, False, FAULT_AT, (3,))
+    assert all(part(cfg, "b", FAULT_AT, r).is_file() for r in range(4))  # b holds its own and a's three
+    assert part(cfg, "a", FAULT_AT, 3).is_file()
+    shutil.rmtree(node_dir(cfg, "b"))  # the node is lost with its memory
+    gloo_pool4.run(launch_on_nodes, cfg, nodes)
+    assert resumes(cfg) == [(FAULT_AT, "memory")]
+    assert_same_run(cfg, uninterrupted4, tmp_path / "hf")
+
+
+def launch_with_a_silent_partner(ctx, cfg, at_step: int) -> dict:
+    """launch_on_own_node, every snapshot taken, with rank 1 never taking part in the copies of step `at_step` (a
+    partner stuck or gone without its process ending)."""
+    from raysft.checkpoint.memory.transport import Transport
+
+    real = Transport.exchange
+
+    def exchange(self, path, target_of):
+        if not (ctx.rank == 1 and path is not None and path.parent.name == f"step_{at_step:08d}"):
+            real(self, path, target_of)
+
+    Transport.exchange = exchange
+    try:
+        with tier_patched():
+            return launch_on_own_node(ctx, cfg)
+    finally:
+        Transport.exchange = real
+
+
+def test_a_partner_that_never_answers_turns_the_tier_off_within_its_timeout_and_the_run_goes_on(
+        tmp_path, gloo_pool, uninterrupted):
+    """Rank 0's copy of step 5 waits for rank 1 at most checkpoint.memory_timeout_s (before, gloo's 30 minutes, and
+    the run's end stalled in the tier's close); then the tier is off on every rank, named once, and the run ends
+    as the run without the tier does."""
+    cfg = memory_config(tmp_path, "silent", **{"checkpoint.memory_timeout_s": 2})
+    started = time.monotonic()
+    gloo_pool.run(launch_with_a_silent_partner, cfg, 5, timeout=120)
+    assert time.monotonic() - started < 100
+    off = events(cfg, "memory_tier_off")
+    assert len(off) == 1 and off[0]["reason"].startswith("rank 0 (node0): ") and "rank 1" not in off[0]["reason"]
+    assert "imed out" in off[0]["reason"] or "timeout" in off[0]["reason"].lower(), off
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+# --- the directory is the user's alone ---------------------------------------------------------------------------
+
+def test_the_memory_dir_is_made_private_and_refused_where_others_may_write_it_or_own_it(tmp_path):
+    umask = os.umask(0)
+    try:
+        made = tmp_path / "a" / "b" / "shm"
+        assert check_memory_dir(made) is None
+        assert {oct(p.stat().st_mode & 0o777) for p in (made, made.parent, made.parent.parent)} == {"0o700"}
+    finally:
+        os.umask(umask)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert check_memory_dir(shared) == f"checkpoint.memory_dir {shared} may be written by other users (mode " \
+                                       "drwxrwxrwx)"
+    assert "its parent" in check_memory_dir(shared / "shm") and not (shared / "shm").exists()
+    shared.chmod(0o1777)  # sticky, as /dev/shm: another user cannot move what is ours in it
+    assert check_memory_dir(shared / "shm") is None
+    assert "may be written by other users" in check_memory_dir(shared)  # but the tier's own directory is not shared
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    assert check_memory_dir(mine) is None
+
+
+@as_root
+def test_a_memory_dir_or_link_another_user_owns_is_refused(tmp_path):
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o700)
+    os.chown(planted, NOBODY, NOBODY)
+    assert check_memory_dir(planted) == f"checkpoint.memory_dir {planted} is owned by uid {NOBODY} (nobody), not " \
+                                        f"by this user (uid 0 (root))"
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "mine")
+    os.lchown(link, NOBODY, NOBODY)
+    assert "symbolic link of uid 65534" in check_memory_dir(link)
+
+
+@as_root
+def test_a_planted_memory_dir_with_a_newer_snapshot_is_never_used_nor_written(tmp_path, gloo_pool, uninterrupted,
+                                                                              faulted):
+    """Whoever made the memory_dir first owns it: here another user (nobody) holds it, with a snapshot of step 8
+    whose header matches the run. Before, the run resumed from it. Now the tier is off on every rank, named in the
+    log, the run resumes from its stored checkpoint, and nothing in the directory is written or removed."""
+    cfg = continue_copy(faulted, tmp_path)
+    shm = Path(cfg.checkpoint.memory_dir)
+    for path in [shm, *shm.rglob("*")]:
+        os.lchown(path, NOBODY, NOBODY)
+    before = {p: p.stat().st_mtime_ns for p in shm.rglob("*")}
+    gloo_pool.run(launch_on_own_node, cfg)
+    owner = f"checkpoint.memory_dir {shm} is owned by uid {NOBODY} (nobody), not by this user (uid 0 (root))"
+    assert [m["reason"] for m in events(cfg, "memory_tier_off")] == [
+        f"rank 0 (node0): {owner}; rank 1 (node1): {owner}"]
+    assert resumes(cfg) == [(6, None)]
+    assert {p: p.stat().st_mtime_ns for p in shm.rglob("*")} == before
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+# --- what a part holds is checked, every part --------------------------------------------------------------------
+
+def test_a_snapshot_with_an_unsound_trainer_state_or_nan_is_never_resumed_from(tmp_path, gloo_pool, uninterrupted,
+                                                                              faulted):
+    """Step 8's part of rank 0 (both copies) with a step guard state a stored checkpoint would be refused for:
+    those files are ignored, named. Step 7, whole, holds NaN in one of rank 0's weights: every rank reads and checks
+    its part before any is applied, so the snapshot is set aside on every rank and the stored checkpoint used."""
+    cfg = continue_copy(faulted, tmp_path)
+    bad_guard = {"recent": ["high"], "in_a_row": 0}
+    for node in ("node0", "node1"):
+        rewrite_part(part(cfg, node, FAULT_AT, 0),
+                     header=lambda h: {**h, "trainer_state": {**h["trainer_state"], "step_guard": bad_guard}})
+        rewrite_part(part(cfg, node, FAULT_AT - 1, 0), tensors=lambda t: {
+            **t, "model.model.norm.weight": t["model.model.norm.weight"].clone().fill_(float("nan"))})
+    gloo_pool.run(launch_on_own_node, cfg)
+    ignored = {(m["file"], m["reason"].split(":")[0]) for m in events(cfg, "memory_part_ignored")}
+    assert ignored == {(str(part(cfg, node, FAULT_AT, 0)), "step_guard") for node in ("node0", "node1")}
+    [not_used] = events(cfg, "memory_tier_not_used")
+    assert not_used["reason"] == f"rank 0: {part(cfg, 'node0', FAULT_AT - 1, 0)}: model.model.norm.weight holds " \
+                                 f"non-finite values (the snapshot of step {FAULT_AT - 1} is set aside)"
+    assert resumes(cfg) == [(6, None)]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path, gloo_pool, uninterrupted, faulted):
+    """Rank 1's part of step 8 is left only by another launch attempt (a node left out of one attempt keeps its
+    files): step 8 is not whole in any one attempt, and the run resumes from step 7, whole in the attempt that
+    wrote it. Before, rank 0's part of one attempt and rank 1's of the other were resumed together."""
+    cfg = continue_copy(faulted, tmp_path)
+    part(cfg, "node0", FAULT_AT, 1).unlink()
+    rewrite_part(part(cfg, "node1", FAULT_AT, 1), header=lambda h: {**h, "attempt": "f" * 24})
+    gloo_pool.run(launch_on_own_node, cfg)
+    assert resumes(cfg) == [(FAULT_AT - 1, "memory")]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+# --- HYBRID_SHARD: a replica's part stands in, the metrics are the rank's own ------------------------------------
+
+HYBRID = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.log_every_n_steps": 5}
+LOGGED = ("loss", "grad_norm", "tokens", "computed_tokens", "lr", "skipped_steps")
+
+
+def logged_rows(cfg) -> dict[int, dict]:
+    """Each step's logged metrics, the last pass's (a step trained again after a resume is logged again)."""
+    return {m["step"]: {k: m[k] for k in LOGGED} for m in read_metrics(cfg.run_dir) if "loss" in m}
+
+
+def test_hybrid_shard_ranks_resumed_from_a_replicas_part_log_their_own_metrics(tmp_path, gloo_pool4):
+    """HYBRID_SHARD, 2 nodes of 2: node 1 dies as its ranks write step 8, and is lost with its memory. Ranks 2
+    and 3 resume from ranks 0 and 1's parts of step 8 (same shards), with the metrics of steps 6 to 8 not yet
+    logged (log every 5 steps). Before, they took their replicas' metric rows, and those steps were logged with
+    node 0's losses counted twice."""
+    reference = run_config(tmp_path / "reference", "reference", **{"checkpoint.mode": "full", **HYBRID})
+    gloo_pool4.run(launch_two_a_node, reference)
+    cfg = memory_config(tmp_path, "hybrid", **HYBRID)
+    with pytest.raises(RuntimeError, match=r"died .*[{ ][23]: 9"):
+        gloo_pool4.run(launch_two_a_node, cfg, FAULT_AT)
+    assert not list(node_dir(cfg, "node0").glob("step_*/rank_[23].safetensors"))  # replicas: no copies sent
+    shutil.rmtree(node_dir(cfg, "node1"))
+    gloo_pool4.run(launch_two_a_node, cfg)
+    assert resumes(cfg) == [(FAULT_AT, "memory")]
+    expected = logged_rows(reference)
+    assert logged_rows(cfg) == expected and len(expected) == 12
+
+
+# --- nothing is left in node memory ------------------------------------------------------------------------------
+
+def test_the_next_launch_reclaims_runs_no_process_holds_and_never_a_live_or_recent_one(tmp_path, gloo_pool, faulted):
+    """In one memory_dir: the faulted run (its processes killed: a job SIGKILLed as a whole leaves just this), a run
+    a live process holds, one that wrote a moment ago (Ray may be restarting its workers), and a directory raysft
+    did not make. Another run's launch removes the first only."""
+    shm = tmp_path / "shm"
+    shutil.copytree(faulted.checkpoint.memory_dir, shm)
+    dead = shm / read_run_id(faulted.run_dir)
+    live, recent, foreign = shm / ("a" * 32), shm / ("b" * 32), shm / "notes"
+    shutil.copytree(dead, live)
+    shutil.copytree(dead, recent)
+    foreign.mkdir()
+    (foreign / "todo.txt").write_text("mine")
+    an_hour_ago = time.time() - 3600
+    for run in (dead, live, foreign):
+        for path in (run, run / ".live"):
+            if path.exists():
+                os.utime(path, (an_hour_ago, an_hour_ago))
+    holder = os.open(live / ".live", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_SH)  # a live worker of that run
+    try:
+        cfg = memory_config(tmp_path, "next", **{"train.max_steps": 1})
+        gloo_pool.run(launch_on_own_node, cfg)
+    finally:
+        os.close(holder)
+    assert sorted(p.name for p in shm.iterdir()) == [".raysft.lock", live.name, recent.name, "notes"]
+    assert (foreign / "todo.txt").read_text() == "mine"
+    assert resumes(cfg) == []
