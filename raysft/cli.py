@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = sub.add_parser("train", help="train on the Ray cluster in RAY_ADDRESS, or on a local Ray")
     add_config_args(p_train)
     p_train.add_argument("--fresh", action="store_true",
-                         help="start the run over instead of resuming it (the old run directory is kept, renamed)")
+                         help="start the run over instead of resuming it: the whole old run is set aside (its "
+                              "directory kept, renamed; its memory-tier snapshots reclaimed)")
     p_train.add_argument("--export", metavar="DIR", help="export the final checkpoint to DIR as an HF model")
     p_train.add_argument("--prompt", help="with --export: print the exported model's answer to PROMPT")
     p_train.add_argument("--force", action="store_true",

@@ -160,7 +160,9 @@ def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = Fals
             raise ConfigError(
                 f"run '{config.run.name}' in {run_dir} exists and {what}; launching again continues a run, so "
                 f"{', '.join(changed)} must match. Keep the run's settings, pick another run.name, or start over "
-                f"with --fresh (the old run is kept beside it as {run_dir.name}.replaced-<time>)")
+                f"with --fresh, which sets the whole run aside: its directory is kept beside it as "
+                f"{run_dir.name}.replaced-<time>, and its snapshots in node memory (checkpoint.memory_dir) are "
+                "reclaimed")
         return native(moved) if moved else None
     run_dir.mkdir()
     record = {**identity, RUN_ID_KEY: new_run_id(), **({SET_ASIDE_KEY: set_aside} if set_aside else {})}

@@ -30,8 +30,8 @@ from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig
 from raysft.errors import CannotPlaceWorkers
 from raysft.launch.lease import RunLease
-from raysft.launch.paths import resolve_paths
 from raysft.launch.local_ray import LocalRay, check_reachable, connect, wait_ended
+from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_worker import (
     EVAL_SCORE,

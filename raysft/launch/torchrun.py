@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raysft.run", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    parser.add_argument("--fresh", action="store_true", help="start the run over (the old one is kept, renamed)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start the run over (the old one set aside: kept, renamed; its snapshots reclaimed)")
     args = parser.parse_args(argv)
     try:  # before the process group: parallel.cpu_offload decides its backend
         offload = load_config(args.config, args.overrides).parallel.cpu_offload
