@@ -89,20 +89,22 @@ def config(tmp_path, name, **sets):
 def reference(tmp_path_factory, request):
     """Uninterrupted runs, by number of workers: per-step losses and final weights. Trained without Ray, on gloo
     processes: the same Trainer and collectives give the same floats (tests/test_checkpoint_ray.py holds a Ray
-    run to exactly that), and no Ray launch is spent on them. With shrink=(step, fewer): stopped at that step and
-    resumed on fewer workers, the run an elastic run that lost workers there is held to."""
+    run to exactly that), and no Ray launch is spent on them. With widths=((step, workers), ...): stopped at each
+    step and relaunched from its stored checkpoint on that many workers, the run an elastic run that changed width
+    there is held to."""
     from raysft.launch.torchrun import launch
 
     runs = {}
 
-    def get(workers: int, shrink: tuple[int, int] | None = None, **sets):
-        key = (workers, shrink, tuple(sorted(sets.items())))
+    def get(workers: int, widths: tuple[tuple[int, int], ...] = (), **sets):
+        key = (workers, widths, tuple(sorted(sets.items())))
         if key not in runs:
             tmp = tmp_path_factory.mktemp("reference")
-            legs = [(workers, {})] if shrink is None else [(workers, {"train.stop_at_step": shrink[0]}),
-                                                             (shrink[1], {})]
-            for num_workers, stop in legs:
-                cfg = config(tmp, "reference", **{"scaling.num_workers": num_workers, **sets, **stop})
+            stops = [step for step, _ in widths] + [None]
+            sizes = [workers] + [n for _, n in widths]
+            for num_workers, stop in zip(sizes, stops, strict=True):
+                leg = {"train.stop_at_step": stop} if stop else {}
+                cfg = config(tmp, "reference", **{"scaling.num_workers": num_workers, **sets, **leg})
                 request.getfixturevalue("gloo_pool4" if num_workers == 4 else "gloo_pool").run(launch, cfg)
             runs[key] = (final_losses(cfg.run_dir), load_file(cfg.run_dir / f"checkpoint_{cfg.train.max_steps:08d}" /
                                                               "model.safetensors"))
@@ -310,44 +312,59 @@ def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_p
     assert_same_run(cfg, result, ref)
 
 
-def test_elastic_run_goes_on_with_fewer_workers_when_a_node_does_not_come_back(tmp_path, nodes, reference, cluster):
-    """A node of 4 workers' run lost for good, scaling.min_workers 2: the run goes on on the 2 left, from the stored
-    checkpoint (the memory tier's snapshots, cut for 4 workers, are refused and the log says so), and ends as the
-    run of 4 stopped at that checkpoint and relaunched on 2 would, bit for bit."""
+def test_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_one_returns_from_memory(tmp_path, nodes,
+                                                                                             reference, cluster):
+    """A node of 4 workers' run lost for good, scaling.min_workers 2: the run goes on on the 2 left from the
+    snapshot in memory, cut again for 2 (the lost node's parts from their copies on the node left); a node added
+    later: Ray grows the group back to 4, which goes on from the snapshot cut again for 4. Each change of width
+    costs at most the step in flight, and the run equals the run stopped at those steps and relaunched on 2, then
+    on 4, from its stored checkpoints, bit for bit. Before, each change resumed from the stored checkpoint: the
+    snapshots, cut for another width, were refused."""
     _, b = nodes(), nodes()
     wait_for(lambda: ray.available_resources().get("CPU", 0) >= 4, 60, "4 free CPUs")  # else Ray starts with fewer
     # Ray Train's elastic policy sizes the group from Ray's AutoscalingCoordinator, which refreshes its view of the
     # nodes once per tick: without a tick since the nodes came, it sees too few and starts with fewer workers
     # (fault_injection makes the tick 1 s in these tests' workers)
     time.sleep(COORDINATOR_TICK_S + 1)
-    sets = {"scaling.min_workers": 2, "train.micro_batch_size": 1, "train.global_batch_size": 12}
-    shm = tmp_path / "shm"  # with the memory tier: its snapshots are cut for 4 workers, refused on 2
+    sets = {"scaling.min_workers": 2, "train.micro_batch_size": 1, "train.global_batch_size": 12,
+            "scaling.resize_interval_s": 2}
+    shm = tmp_path / "shm"
     cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, "checkpoint.memory_every_n_steps": 1,
                                          "checkpoint.memory_dir": str(shm), **sets})
     run = Background(cfg)
-    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 3, 300, "step 9")
     cluster.remove_node(b, allow_graceful=False)
     fault_time = time.time()
+    shrunk = wait_for(lambda: world_sizes(cfg.run_dir)[1:2], 300, "the resume on 2 workers")
+    arm(cluster.faults, "slow_steps", seconds=2)  # room for Ray to notice the node before the run ends
+    nodes()
+    grow_time = time.time()
+    wait_for(lambda: world_sizes(cfg.run_dir)[2:3], 300, "the resume on 4 workers")
+    (cluster.faults / "slow_steps.json").unlink()
     result = run.join()
-    row = recovery(cfg.run_dir, fault_time, "node lost, none to replace it (elastic)",
-                   "remove_node with scaling.min_workers=2 of 4")
     records = read_metrics(cfg.run_dir)
-    start = next(m for m in records if m.get("event") == "start")
-    resume = next(m for m in records if m.get("event") == "resume")
-    assert start["world_size"] == 4 and resume["world_size"] == 2
-    # the memory tier refused by name for the layout, and the stored checkpoint used instead
-    not_used = [m for m in records if m.get("event") == "memory_tier_not_used"]
-    assert len(not_used) == 1 and "was cut for 4 workers" in not_used[0]["reason"] and \
-        "this launch has 2" in not_used[0]["reason"], not_used
-    assert "tier" not in resume and Path(resume["checkpoint"]).name == f"checkpoint_{row['resumed_from']:08d}"
-    assert not shm.exists() or [p.name for p in shm.iterdir()] == [".raysft.lock"]  # every node's snapshots gone
+    assert world_sizes(cfg.run_dir) == [4, 2, 4] and shrunk == [2]
+    resumes = [m for m in records if m.get("event") == "resume"]
+    assert [m.get("tier") for m in resumes] == ["memory", "memory"], resumes
+    assert not [m for m in records if m.get("event") in ("memory_tier_not_used", "memory_tier_off")]
+    lost = recovery(cfg.run_dir, fault_time, "node lost, none to replace it (elastic, memory tier every step)",
+                    "remove_node with scaling.min_workers=2 of 4")
+    grown = recovery(cfg.run_dir, grow_time, "a node returns (elastic, memory tier every step)",
+                     "add_node: Ray grows the group from 2 to 4")
+    assert lost["steps_lost"] <= 1 and grown["steps_lost"] <= 1, (lost, grown)
     assert [s for s, _ in final_losses(cfg.run_dir)] == list(range(1, STEPS + 1))
-    assert row["resumed_from"] % EVERY == 0 and 0 <= row["steps_lost"] < EVERY + 2
     assert Path(result.checkpoint.path).name == f"checkpoint_{STEPS:08d}"
-    # bit for bit, losses and weights, the run of 4 workers stopped at the checkpoint it resumed from and relaunched
-    # on 2 (that such a relaunch trains what 4 workers would have, up to the order of the sums, is
-    # tests/test_run.py's elastic resume)
-    assert_same_run(cfg, result, reference(4, shrink=(row["resumed_from"], 2), **sets))
+    assert not shm.exists() or [p.name for p in shm.iterdir()] == [".raysft.lock"]  # every node's snapshots gone
+    widths = ((lost["resumed_from"], 2), (grown["resumed_from"], 4))
+    assert_same_run(cfg, result, reference(4, widths, **sets))
+
+
+def world_sizes(run_dir: Path) -> list[int]:
+    """The world size of the run's start and of each resume, in order."""
+    try:
+        return [m["world_size"] for m in read_metrics(run_dir) if m.get("event") in ("start", "resume")]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
 
 
 def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_path, nodes):

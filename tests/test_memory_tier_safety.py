@@ -10,14 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_config
 from memory_tier_support import (
     FAULT_AT,
     assert_same_run,
     continue_copy,
     launch_on_nodes,
     launch_on_own_node,
-    launch_two_a_node,
     memory_config,
     node_dir,
     part,
@@ -186,35 +184,6 @@ def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path,
     gloo_pool.run(launch_on_own_node, cfg)
     assert resumes(cfg) == [(FAULT_AT - 1, "memory")]
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
-
-
-# --- HYBRID_SHARD: a replica's part stands in, the metrics are the rank's own ------------------------------------
-
-HYBRID = {"parallel.sharding": "HYBRID_SHARD", "scaling.num_workers": 4, "train.log_every_n_steps": 5}
-LOGGED = ("loss", "grad_norm", "tokens", "computed_tokens", "lr", "skipped_steps")
-
-
-def logged_rows(cfg) -> dict[int, dict]:
-    """Each step's logged metrics, the last pass's (a step trained again after a resume is logged again)."""
-    return {m["step"]: {k: m[k] for k in LOGGED} for m in read_metrics(cfg.run_dir) if "loss" in m}
-
-
-def test_hybrid_shard_ranks_resumed_from_a_replicas_part_log_their_own_metrics(tmp_path, gloo_pool4):
-    """HYBRID_SHARD, 2 nodes of 2: node 1 dies as its ranks write step 8, and is lost with its memory. Ranks 2
-    and 3 resume from ranks 0 and 1's parts of step 8 (same shards), with the metrics of steps 6 to 8 not yet
-    logged (log every 5 steps). Before, they took their replicas' metric rows, and those steps were logged with
-    node 0's losses counted twice."""
-    reference = run_config(tmp_path / "reference", "reference", **{"checkpoint.mode": "full", **HYBRID})
-    gloo_pool4.run(launch_two_a_node, reference)
-    cfg = memory_config(tmp_path, "hybrid", **HYBRID)
-    with pytest.raises(RuntimeError, match=r"died .*[{ ][23]: 9"):
-        gloo_pool4.run(launch_two_a_node, cfg, FAULT_AT)
-    assert not list(node_dir(cfg, "node0").glob("step_*/rank_[23].safetensors"))  # replicas: no copies sent
-    shutil.rmtree(node_dir(cfg, "node1"))
-    gloo_pool4.run(launch_two_a_node, cfg)
-    assert resumes(cfg) == [(FAULT_AT, "memory")]
-    expected = logged_rows(reference)
-    assert logged_rows(cfg) == expected and len(expected) == 12
 
 
 # --- nothing is left in node memory ------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def check_scaling(s: ScalingConfig) -> None:
     _require(s.num_workers > 0, "scaling.num_workers", f"must be > 0, got {s.num_workers}")
     _require(0 <= s.min_workers <= s.num_workers, "scaling.min_workers",
              f"must be in [0, scaling.num_workers={s.num_workers}], got {s.min_workers}")
+    _require(math.isfinite(s.resize_interval_s) and s.resize_interval_s > 0, "scaling.resize_interval_s",
+             f"must be a finite number of seconds > 0, got {s.resize_interval_s}")
     _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
     _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
     _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")

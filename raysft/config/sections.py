@@ -233,6 +233,9 @@ class ScalingConfig:
     min_workers: int = 0
     """Elastic training: start, or go on after losing a node, with as few as this many workers (Ray resizes the
     group between min_workers and num_workers as capacity comes and goes); 0: exactly num_workers."""
+    resize_interval_s: float = 60.0
+    """Elastic training: how often Ray looks for room to grow a running group back towards num_workers (Ray's
+    elastic_resize_monitor_interval_s). Growing restarts the group: with the memory tier it costs at most a step."""
     placement_timeout_s: float = 600.0
     """How long, in all, Ray may wait for the cluster to have room for the workers (at the start, or for
     capacity to come back after a node is lost) before the run fails; a cluster too small to ever hold them fails

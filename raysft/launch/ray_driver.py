@@ -89,7 +89,8 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         torch_config=TorchConfig(backend=process_group_backend("cuda" if s.use_gpu else "cpu",
                                                                config.parallel.cpu_offload)),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
-                                     use_gpu=s.use_gpu, resources_per_worker=worker_resources(s)),
+                                     use_gpu=s.use_gpu, resources_per_worker=worker_resources(s),
+                                     elastic_resize_monitor_interval_s=s.resize_interval_s),
         run_config=RunConfig(
             name=config.run.name,
             storage_path=root.path,  # with storage_filesystem set, Ray wants the path without its scheme

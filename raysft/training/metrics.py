@@ -170,6 +170,36 @@ class StepTotals:
         return out
 
 
+def regroup_rows(rows: list[list], values: list[list[list[float]]], rank: int, world_size: int,
+                 same_world: bool) -> list[tuple[float, dict, torch.Tensor]]:
+    """StepTotals rows for `rank` from every old rank's held rows (`rows`: [start, host] per step; `values`: the
+    device values per step), as a memory-tier snapshot carries them. On the same world size each rank takes its own.
+    On another, rank 0 takes rows holding what the old ranks' rows reduce to (their sums, summed as `reduce` sums
+    them; the first rank's gradient norm; the largest peak memory), and the others zeros, so that `reduce` over the
+    new ranks logs those steps as the old ranks would have."""
+    if same_world:
+        return [(start, host, torch.tensor(v, dtype=torch.float64)) for (start, host), v in
+                zip(rows[rank], values[rank], strict=True)]
+    if not rows or not rows[0]:
+        return []
+    host_names = StepTotals.HOST
+    ranks = torch.tensor([[v + [float(h[k]) for k in host_names] for (_, h), v in zip(r, vs, strict=True)]
+                          for r, vs in zip(rows, values, strict=True)], dtype=torch.float64)
+    sums, maxima = ranks.sum(0), ranks.max(0).values
+    n, norm, peak = len(values[0][0]), StepTotals.DEVICE.index("grad_norm"), host_names.index("peak_mem_gb")
+    out = []
+    for i, (start, host) in enumerate(rows[0]):
+        if rank == 0:
+            device = sums[i, :n].clone()
+            device[norm] = ranks[0, i, norm]
+            totals = {k: sums[i, n + j].item() for j, k in enumerate(host_names)}
+            totals["peak_mem_gb"] = maxima[i, n + peak].item()
+        else:
+            device, totals = torch.zeros(n, dtype=torch.float64), dict.fromkeys(host_names, 0)
+        out.append((start, {**host, **totals}, device))
+    return out
+
+
 def read_metrics(run_dir: Path | Location) -> list[dict]:
     path = run_dir / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

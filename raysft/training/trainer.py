@@ -142,7 +142,7 @@ class Trainer:
                                          preemption_deadline, stop_requested)
         self.dataset = TokenizedDataset(store)
         self.memory = self._memory_tier() if cfg.checkpoint.memory_every_n_steps else None
-        snapshot = self.memory.find(step_of(resume_dir) if resume_dir else None) if self.memory else None
+        snapshot = self.memory.find(step_of(resume_dir) if resume_dir else None, self.dims) if self.memory else None
         resuming = resume_dir is not None or snapshot is not None
         reference = reference_file(store, cfg) if dpo and not cfg.model.lora.r else None
         # the reference pass needs the starting weights, also on a resume that finds no reference file

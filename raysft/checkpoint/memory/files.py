@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from raysft.checkpoint.state import check_trainer_state
+from raysft.checkpoint.state import TrainingObjects, check_trainer_state
+from raysft.checkpoint.trainable import state_dict_options
 from raysft.errors import CheckpointError
 from raysft.hf.tensors import dtype_name
 
@@ -38,6 +40,19 @@ class Slot:
     shape: tuple[int, ...]
     start: int
     end: int
+
+
+def state_dicts(objs: TrainingObjects) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts as the tier saves them (what trains: LoRA's adapters only)."""
+    return get_state_dict(objs.model, objs.optimizer, options=state_dict_options(objs.model))
+
+
+def flatten(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
+    """A part's tensor names for the state dicts' values: "model.<name>", "optim.<parameter>.<state>"."""
+    flat = {f"model.{k}": v for k, v in model_sd.items()}
+    for fqn, state in optim_sd.get("state", {}).items():
+        flat.update({f"optim.{fqn}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return flat
 
 
 def plan_slots(tensors: dict[str, torch.Tensor]) -> list[Slot]:

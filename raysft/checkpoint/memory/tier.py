@@ -23,18 +23,14 @@ import secrets
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.memory.directory import (
     LIVE_FILE,
-    STEP_PREFIX,
     arrive,
     check_memory_dir,
     directory_lock,
@@ -43,38 +39,15 @@ from raysft.checkpoint.memory.directory import (
     resolve_memory_dir,
     step_dir,
 )
-from raysft.checkpoint.memory.files import FORMAT, finite_problem, header_problem, read_header, write_part
+from raysft.checkpoint.memory.discovery import Held, Plan, list_parts, plan_resume
+from raysft.checkpoint.memory.files import FORMAT, flatten, state_dicts, write_part
+from raysft.checkpoint.memory.restore import Found, apply, read
 from raysft.checkpoint.memory.staging import Stager
 from raysft.checkpoint.memory.transport import Transport
-from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state, trainer_state_dict
-from raysft.checkpoint.trainable import state_dict_options
+from raysft.checkpoint.state import TrainingObjects, TrainState, trainer_state_dict
 from raysft.config import CheckpointConfig
 from raysft.parallel.collectives import from_rank0
 from raysft.parallel.layout import ParallelDims
-
-
-@dataclass(frozen=True)
-class Held:
-    """A rank's part of a step, found in a node's directory."""
-
-    step: int
-    rank: int  # whose part it is
-    holder: int  # a rank of the node that has the file
-    path: str  # the file, on the holder's node
-    attempt: str  # the launch attempt that wrote it
-    replica: int  # the rank's place in its shard group: its replicas (HYBRID_SHARD, NO_SHARD) share it
-    replicated: bool
-    world_size: int
-    layout: dict
-
-
-@dataclass
-class Found:
-    """A snapshot every rank has loaded and checked, ready to `restore`."""
-
-    step: int
-    header: dict
-    tensors: dict[str, torch.Tensor]
 
 
 class MemoryTier:
@@ -159,9 +132,8 @@ class MemoryTier:
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the weights and optimizer state, by name, as they are in memory."""
-        model_sd, optim_sd = get_state_dict(self.objs.model, self.objs.optimizer,
-                                            options=state_dict_options(self.objs.model))
-        return {name: v.to_local() if isinstance(v, DTensor) else v for name, v in _flatten(model_sd, optim_sd).items()}
+        return {name: v.to_local() if isinstance(v, DTensor) else v
+                for name, v in flatten(*state_dicts(self.objs)).items()}
 
     def _idle(self) -> bool:
         return self.pending is None or self.pending.done()
@@ -269,153 +241,75 @@ class MemoryTier:
 
     # --- resuming ------------------------------------------------------------------------------------------------
 
-    def find(self, stored: int | None) -> Found | None:
+    def find(self, stored: int | None, dims: ParallelDims) -> Found | None:
         """Collective: the newest whole snapshot if it is newer than the stored checkpoint of step `stored` (None: no
-        stored checkpoint), loaded and checked on every rank; else None, with the reason in the log. Either way,
-        the node then keeps only the snapshot resumed from: newer ones (left by a fault when the stored checkpoint
-        is used) would otherwise be taken for newer than every snapshot to come."""
+        stored checkpoint), its parts at hand, read and checked on every rank, on this launch's layout `dims` (cut
+        again if it was taken on another); else None, with the reason in the log. Either way, the node then keeps
+        only the snapshot resumed from: newer ones (left by a fault when the stored checkpoint is used) would
+        otherwise be taken for newer than every snapshot to come."""
         if self.off:
             return None
-        step, why, sources = self._newest_whole()
+        untouched = not self.objs.optimizer.state  # reading the state dicts gives a fresh optimizer its state
+        plan, why = self._plan(dims)
         found = None
-        if step is not None and step > (stored or 0):
-            why = self._fetch(step, sources)
+        if plan is not None and plan.step > (stored or 0):
+            why = self._fetch(plan)
             if not why:
-                found, why = self._load(step, sources)
-        elif step is not None:
-            why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {step}"
-        if found is None and (stored is not None or step is not None) and self.log is not None:
+                found, why = self._read(plan, dims)
+        elif plan is not None:
+            why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {plan.step}"
+        if found is None and (stored is not None or plan is not None) and self.log is not None:
             self.log.event("memory_tier_not_used", reason=why, stored_step=stored or 0)
         keep_only(self.dir, {found.step} if found else set())
         self.whole = found.step if found else None
+        if found is None and untouched:  # (torch's _init_optim_state steps it once at lr 0): as it was, for a
+            self.objs.optimizer.state.clear()  # fresh start or the stored checkpoint to fill
         return found
 
-    def _newest_whole(self) -> tuple[int | None, str, dict[int, Held]]:
-        """Collective: the newest step one attempt left every rank's part of on some node, with where each part is;
-        or None and why not. The same on every rank."""
-        held, ignored = self._held()
+    def _plan(self, dims: ParallelDims) -> tuple[Plan | None, str]:
+        """Collective: what every node holds, gathered, and the plan every rank makes of it alike."""
+        held, ignored = list_parts(self.dir, self.run_id, self.rank)
         everyone = self._gather((held, ignored))
         if self.log is not None:
             for path, problem in sorted({item for _, bad in everyone for item in bad}):
                 self.log.event("memory_part_ignored", file=path, reason=problem)
-        parts: dict[tuple[int, str], dict[int, list[Held]]] = {}
-        for found, _ in everyone:
-            for h in found:
-                parts.setdefault((h.step, h.attempt), {}).setdefault(h.rank, []).append(h)
-        why = None
-        for key in sorted(parts, reverse=True):  # newest step first; of one step, the newest attempt first
-            chosen, problem = self._sources(key[0], parts[key])
-            if chosen is not None:
-                return key[0], "", chosen
-            why = why or problem
-        return None, why or "no snapshot in memory", {}
+        return plan_resume([h for found, _ in everyone for h in found], self.nodes, dims, self.layout,
+                           flatten(*state_dicts(self.objs)))
 
-    def _held(self) -> tuple[list[Held], list[tuple[str, str]]]:
-        """What this rank's node holds of the run, and the files that are no usable part (with why)."""
-        found, ignored = [], []
-        for path in sorted(self.dir.glob(f"{STEP_PREFIX}*/rank_*.safetensors")):
-            header = read_header(path)
-            problem = "not a whole snapshot file" if header is None else header_problem(header, path)
-            if problem is None and header["run_id"] != self.run_id:
-                problem = f"a part of run {header['run_id']}, not of this run ({self.run_id})"
-            if problem is not None:
-                ignored.append((str(path), problem))
-                continue
-            found.append(Held(header["step"], header["rank"], self.rank, str(path), header["attempt"],
-                              header["replica"], header["replicated"], header["world_size"], header["layout"]))
-        return found, ignored
+    def _local(self, plan: Plan, rank: int, held: Held) -> Path:
+        """Where `rank` reads `held`: on its node, where it lies or where it is sent (named by whose part it is)."""
+        same_node = self.nodes[held.holder] == self.nodes[rank]
+        return Path(held.path) if same_node else self._file(plan.step, held.rank)
 
-    def _sources(self, step: int, parts: dict[int, list[Held]]) -> tuple[dict[int, Held] | None, str]:
-        """For each rank of this launch, the part of one attempt's `step` it loads and who holds it (a rank of its
-        own node if any does), or why that attempt's step cannot be used."""
-        for h in (h for hs in parts.values() for h in hs):
-            if h.world_size != self.world_size or h.layout != self.layout:
-                return None, (f"the snapshot of step {step} was cut for {h.world_size} workers ({_layout(h.layout)}),"
-                              f" this launch has {self.world_size} ({_layout(self.layout)}): a snapshot resumes "
-                              "only on the layout it was taken on")
-        any_part = next(iter(parts.values()))[0]
-        chosen = {}
-        for rank in range(self.world_size):
-            candidates = parts.get(rank, [])
-            if any_part.replicated:  # a replica's part holds the same shards
-                candidates = [h for hs in parts.values() for h in hs if h.replica == self.replicas[rank]]
-            if not candidates:
-                return None, (f"no node holds rank {rank}'s part of step {step} (nor a copy of it) from launch "
-                              f"attempt {any_part.attempt}")
-            local = [h for h in candidates if self.nodes[h.holder] == self.nodes[rank]]
-            chosen[rank] = (local or sorted(candidates, key=lambda h: h.holder))[0]
-        return chosen, ""
+    def _fetch(self, plan: Plan) -> str:
+        """Collective: every part a rank reads that lies only on other nodes is sent to its node (once a node, to
+        its first rank that needs it) and kept there, for a fault to come; "" once all have landed, else why not
+        (the stored checkpoint is used then)."""
+        moves, wanted = [], set()
+        for rank in sorted(plan.sources):
+            for held in plan.sources[rank].values():
+                key = (self.nodes[rank], held.rank)
+                if self.nodes[held.holder] != self.nodes[rank] and key not in wanted:
+                    wanted.add(key)
+                    target = self._new_file(plan.step, held.rank) if rank == self.rank else Path()
+                    moves.append((rank, held.holder, Path(held.path), target))
+        return self.transport.fetch(plan.step, moves)
 
-    def _fetch(self, step: int, sources: dict[int, Held]) -> str:
-        """Collective: every part held only on another node than its rank's is sent to that rank (and kept on its
-        node, for a fault to come); "" once every rank has its part at hand, else why not (the stored checkpoint
-        is used then)."""
-        moves = [(rank, h.holder, Path(h.path)) for rank, h in sorted(sources.items())
-                 if self.nodes[h.holder] != self.nodes[rank]]
-        why = self.transport.fetch(moves, lambda rank: self._new_file(step, rank))
-        return why.replace("its part:", f"its part of step {step}:")
-
-    def _load(self, step: int, sources: dict[int, Held]) -> tuple[Found | None, str]:
-        """Collective: each rank reads its part and checks it against its own shards (names, shapes, dtypes), for
-        NaN and inf, and for its RNG state; the snapshot is used only if every rank's passes."""
-        held = sources[self.rank]
-        path = Path(held.path) if self.nodes[held.holder] == self.nodes[self.rank] else self._file(step, self.rank)
-        found, problem = None, None
+    def _read(self, plan: Plan, dims: ParallelDims) -> tuple[Found | None, str]:
+        """Collective: each rank reads and checks its parts; the snapshot is used only if every rank's pass."""
+        paths = {place: self._local(plan, self.rank, held) for place, held in plan.sources[self.rank].items()}
         try:
-            header, tensors = read_header(path), load_file(path)
-            problem = (header_problem(header, path) if header is not None else "not a whole snapshot file") or \
-                _fit_problem(tensors, self._tensors(), self.rank) or finite_problem(tensors)
-            found = Found(step, header, tensors)
+            found, problem = read(plan, self.rank, self.world_size, paths, flatten(*state_dicts(self.objs)),
+                                  dims.shard_group_size, dims.shard_place(self.rank))
         except Exception as e:  # noqa: BLE001 - a file changed or cut since it was listed: one reason among the ranks'
-            problem = f"{type(e).__name__}: {e}"
-        problems = self._gather(None if problem is None else f"{path}: {problem}")
+            found, problem = None, f"{type(e).__name__}: {e}"
+        problems = self._gather(problem)
         if any(problems):
             return None, "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p) + \
-                f" (the snapshot of step {step} is set aside)"
+                f" (the snapshot of step {plan.step} is set aside)"
         return found, ""
 
     def restore(self, found: Found) -> tuple[TrainState, list]:
-        """Collective: apply the snapshot `find` returned, each rank its own part. Returns the state to go on from and
-        the metrics rows held with it (this rank's, whichever file they came from)."""
-        model_sd, optim_sd = get_state_dict(self.objs.model, self.objs.optimizer,
-                                            options=state_dict_options(self.objs.model))
-        for name, target in _flatten(model_sd, optim_sd).items():
-            local = target.to_local() if isinstance(target, DTensor) else target
-            local.detach().copy_(found.tensors[name])
-        set_state_dict(self.objs.model, self.objs.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=state_dict_options(self.objs.model))
-        torch.set_rng_state(found.tensors[f"rng.cpu.{self.rank}"])
-        if f"rng.cuda.{self.rank}" in found.tensors and torch.cuda.is_available():
-            torch.cuda.set_rng_state(found.tensors[f"rng.cuda.{self.rank}"])
-        header = found.header
-        rows, values = header["metrics_rows"][self.rank], header["metrics_values"][self.rank]
-        held = [(start, host, torch.tensor(v, dtype=torch.float64)) for (start, host), v in zip(rows, values,
-                                                                                                strict=True)]
-        return restore_trainer_state(header["trainer_state"], self.objs), held
-
-
-def _fit_problem(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rank: int) -> str | None:
-    """Why a part's tensors are not this rank's shards of the model (another model, or another rank's cut)."""
-    if f"rng.cpu.{rank}" not in tensors:
-        return f"no RNG state of rank {rank}"
-    stored = {k for k in tensors if not k.startswith("rng.")}
-    if stored != set(expected):
-        extra, missing = sorted(stored - set(expected)), sorted(set(expected) - stored)
-        return f"its tensors are not this model's: {'missing ' + missing[0] if missing else 'unknown ' + extra[0]}"
-    for name, t in expected.items():
-        if tensors[name].shape != t.shape or tensors[name].dtype != t.dtype:
-            return (f"{name} is {tuple(tensors[name].shape)} {tensors[name].dtype}, this rank's shard is "
-                    f"{tuple(t.shape)} {t.dtype}")
-    return None
-
-
-def _layout(layout: dict) -> str:
-    return f"{layout.get('sharding')}, replicate {layout.get('replicate')} x shard {layout.get('shard')} x " \
-           f"sequence {layout.get('sequence')}"
-
-
-def _flatten(model_sd: dict, optim_sd: dict) -> dict[str, torch.Tensor]:
-    flat = {f"model.{k}": v for k, v in model_sd.items()}
-    for fqn, state in optim_sd.get("state", {}).items():
-        flat.update({f"optim.{fqn}.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
-    return flat
+        """Collective: apply the snapshot `find` returned, each rank its own shards. Returns the state to go on from
+        and this rank's metrics rows held with it (raysft.checkpoint.memory.restore)."""
+        return apply(self.objs, found, self.rank, self.world_size)

@@ -100,32 +100,35 @@ class Transport:
         if error is not None:
             raise error
 
-    def fetch(self, moves: list[tuple[int, int, Path]], file_of: Callable[[int], Path]) -> str:
-        """At a resume, collective: each (rank, holder, held file) of `moves` sends the holder's file to the rank,
-        kept there under `file_of(rank)` for a fault to come. Returns "" once every rank has its part at hand, else
-        why not, the same on every rank (a rank with no room left for its part, say)."""
-        outgoing = [(map_file(held), rank) for rank, holder, held in moves if holder == self.rank]
-        source = next((holder for rank, holder, _ in moves if rank == self.rank), None)
-        size = torch.zeros(1, dtype=torch.int64)
+    def fetch(self, step: int, moves: list[tuple[int, int, Path, Path]]) -> str:
+        """At a resume, collective: each (rank, holder, file on the holder's node, where the rank keeps it) of `moves`
+        sends the holder's file to the rank (kept on its node, for a fault to come; every rank passes the same
+        moves, and only the holder and the rank read their paths). Returns "" once every file has landed, else why
+        not, the same on every rank (a rank with no room left, say)."""
+        outgoing = [(map_file(held), rank) for rank, holder, held, _ in moves if holder == self.rank]
+        incoming = [(holder, target) for rank, holder, _, target in moves if rank == self.rank]
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in incoming]
         self._run([(torch.tensor([d.numel()]), r) for d, r in outgoing],
-                  [(source, size)] if source is not None else [])
-        path, incoming, error = file_of(self.rank), None, None
-        if source is not None:
+                  [(holder, n) for (holder, _), n in zip(incoming, sizes, strict=True)])
+        into, error = [], None
+        for (_, target), n in zip(incoming, sizes, strict=True):
             try:
-                incoming = map_new(path, int(size))
+                into.append(map_new(target, int(n)))
             except OSError as e:
-                error = f"rank {self.rank} has no room for its part: {type(e).__name__}: {e}"
+                error = f"rank {self.rank} has no room for its part of step {step}: {type(e).__name__}: {e}"
+                break
         errors: list = [None] * len(self.nodes)
         dist.all_gather_object(errors, error, group=self.group)
         if any(errors):
-            del incoming
-            temporary(path).unlink(missing_ok=True)
+            del into
+            for _, target in incoming:
+                temporary(target).unlink(missing_ok=True)
             return "; ".join(e for e in errors if e)
-        self._run(outgoing, [(source, incoming)] if source is not None else [])
-        del incoming, outgoing
-        dist.barrier(self.group)
-        if source is not None:
-            commit(path)
+        self._run(outgoing, [(holder, t) for (holder, _), t in zip(incoming, into, strict=True)])
+        del into, outgoing
+        for _, target in incoming:
+            commit(target)
+        dist.barrier(self.group)  # every file landed: a rank may read one its node's first rank received
         return ""
 
     def _run(self, sends, recvs) -> None:
