@@ -1,16 +1,17 @@
-"""What the GPU machine lacks for raysft's Ray path and for torchtitan, built here into one folder the device call
-carries, and installed from it there without a network.
+"""What the GPU machine lacks for raysft's Ray path, torchtitan and FP8 training (torchao), built here into one folder
+the device call carries, and installed from it there without a network.
 
     .venv/bin/python bench/gpu/bundle.py build                      # .gpubundle/ for the device's Python 3.12
     .venv/bin/python bench/gpu/bundle.py build --python-version 3.11 --out DIR   # the same for this machine's
     python3 bench/gpu/bundle.py install .gpubundle SITE             # on the device (bench/gpu/check.py does it)
 
-The device has Python 3.12, torch, transformers, pyarrow, pandas, numpy and the rest of DEVICE_PACKAGES, no Ray and
-no network; a call carries 64 MiB in all. Ray's wheel (about 76 MiB) does not fit as it is: its tree without
-`ray/jars` (Java) and `ray/rllib`, in a tar compressed with xz, does. The other packages are the wheels of
+The device has Python 3.12, torch, transformers, pyarrow, pandas, numpy and the rest of DEVICE_PACKAGES, no Ray, no
+torchao and no network; a call carries 64 MiB in all. Ray's wheel (about 76 MiB) does not fit as it is: its tree
+without `ray/jars` (Java) and `ray/rllib`, in a tar compressed with xz, does. The other packages are the wheels of
 CARRIED, each pinned: the requirements of Ray[train] and torchtitan 0.3.0 (their METADATA) that the device does not
-have, with theirs. tests/test_gpu_bundle.py shows they suffice: `raysft train` runs, and torchtitan's config and
-data loader are built, from a bundle installed over a base holding only DEVICE_PACKAGES.
+have, with theirs, and torchao for parallel.fp8. tests/test_gpu_bundle.py shows they suffice: `raysft train` runs,
+torchtitan's config and data loader are built, and torchao converts a model, from a bundle installed over a base
+holding only DEVICE_PACKAGES.
 
 The build refuses when the bundle, the repository's files and .benchdata would exceed what a call carries.
 Downloads are kept in .gpubundle-cache/ (ignored, not carried) and reused by later builds.
@@ -58,6 +59,9 @@ CARRIED = [
     ("typeguard==4.6.1", "tyro"), ("shtab==1.13.0", "tyro"), ("torchdata==0.11.0", "torchtitan"),
     ("spmd-types==0.2.3", "torchtitan"), ("torch-checkpointing==0.1.1", "torchtitan"),
     ("datasets==4.7.0", "torchtitan (its data loaders)"), ("dill", "datasets"), ("multiprocess", "datasets"),
+    # 0.18.0: the newest torchao, built against torch 2.11 (the device's); one cp310-abi3 wheel of 3.4 MB, no
+    # requirements of its own
+    ("torchao==0.18.0", "parallel.fp8 (raysft.parallel.fp8)"),
 ]
 
 

@@ -53,6 +53,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_batch(cfg)
     _validate_eval(cfg)
     _validate_dpo(cfg)
+    _validate_fp8(cfg)
     _validate_storage(cfg)
 
 
@@ -206,6 +207,22 @@ def _validate_dpo(cfg: TrainConfig) -> None:
              "set parallel.sequence_parallel: 1")
     _require(not (cfg.data.eval_paths or cfg.data.eval_fraction), "data.eval_paths",
              "train.objective dpo has no validation pass: leave data.eval_paths and data.eval_fraction unset")
+
+
+def _validate_fp8(cfg: TrainConfig) -> None:
+    """FP8 needs torchao where the configuration is loaded too, and trains every converted weight: not with LoRA's
+    frozen base (and its adapters would be converted with it). The device is checked in the workers
+    (raysft.parallel.fp8.require_fp8)."""
+    if not cfg.parallel.fp8:
+        return
+    import importlib.util
+
+    _require(importlib.util.find_spec("torchao") is not None, "parallel.fp8",
+             "FP8 training needs torchao, which is not installed: pip install 'raysft[fp8]' (or set parallel.fp8: "
+             "false)")
+    _require(not cfg.model.lora.r, "parallel.fp8",
+             f"FP8 training converts the weights that full fine-tuning trains; with model.lora.r={cfg.model.lora.r} "
+             "the base is frozen: set parallel.fp8: false or model.lora.r: 0")
 
 
 def data_sources(paths: list[str | dict], name: str = "data.paths") -> list[tuple[str, float]]:

@@ -178,6 +178,14 @@ class ParallelConfig:
     compile: bool = False
     """torch.compile each decoder layer (after activation checkpointing, before sharding, as torchtitan does); the
     first steps, and each new shape, pay the compile time."""
+    fp8: bool = False
+    """FP8 training with torchao's float8 (pip install 'raysft[fp8]'): every linear layer but the LM head whose two
+    dimensions are multiples of 16 (the FP8 tensor cores' requirement; torchtitan's filter) computes its matmuls in
+    float8 with tensorwise dynamic scaling, and FSDP2 all-gathers those weights in float8. The LM head stays in
+    mixed_precision: its logits feed the loss, the step's most precision-sensitive part. Weights, gradients,
+    optimizer state and checkpoints keep their names and dtypes. Needs NVIDIA GPUs of compute capability 8.9 or
+    higher (refused on CPU and older GPUs) and full fine-tuning (refused with model.lora); fast only with compile,
+    which fuses the casts."""
     sequence_parallel: int = 1
     """Ulysses sequence parallelism: each group of N consecutive workers holds 1/N of every packed row's tokens
     and trades it for 1/N of the heads around attention (docs/SEQUENCE_PARALLEL.md); 1: off. Needs data.packing

@@ -9,6 +9,8 @@ Modules, by role:
   fsdp         the dtype table and policy, and FSDP2 (`fully_shard`) for each sharding strategy, compile, activation
                checkpointing: applied in one fixed order
   sequence     Ulysses sequence parallelism: each rank's part of every packed row, attention over the whole row
+  fp8          FP8 training (parallel.fp8): the linear layers swapped for torchao's Float8Linear before sharding,
+               their weights all-gathered in float8; refused where it cannot run
   collectives  the process group's backend (NCCL, gloo, or both with CPU offload); all/any/count over ranks, a
                value computed on rank 0 and shared
 """

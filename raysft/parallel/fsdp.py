@@ -1,6 +1,6 @@
 """FSDP2 applied in one place: the dtype policy, and `fully_shard` for each sharding strategy on the mesh that
-raysft.parallel.layout builds (ParallelDims.build_mesh), after sequence parallelism's attention, activation
-checkpointing and torch.compile.
+raysft.parallel.layout builds (ParallelDims.build_mesh), after sequence parallelism's attention, FP8's linear layers,
+activation checkpointing and torch.compile.
 
 PyTorch's FSDP1 names all use the same `fully_shard` code path: FULL_SHARD, HYBRID_SHARD and NO_SHARD differ only
 in the mesh (layout), SHARD_GRAD_OP keeps the params unsharded between forward and backward.
@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from raysft.config import ParallelConfig
 from raysft.model.build import decoder_layer_classes
+from raysft.parallel.fp8 import convert_to_fp8, require_fp8
 from raysft.parallel.sequence import apply_sequence_parallel
 
 # The dtypes by the names the configuration and `raysft export --dtype` use: the one table of them.
@@ -25,11 +26,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,
                 sequence: dist.ProcessGroup | None = None) -> nn.Module:
-    """Sequence parallelism's attention, then activation checkpointing, then torch.compile, then fully_shard per
-    decoder layer, then the root (embeddings, norm, head): torchtitan's order."""
+    """Sequence parallelism's attention, then FP8's linear layers, then activation checkpointing, then torch.compile,
+    then fully_shard per decoder layer, then the root (embeddings, norm, head): torchtitan's order."""
     # 0. Ulysses attention over the sequence group (raysft.parallel.sequence).
     if sequence is not None:
         apply_sequence_parallel(model, sequence)
+    # 0b. FP8: linear layers swapped for torchao's Float8Linear while still plain modules (raysft.parallel.fp8).
+    if cfg.fp8:
+        require_fp8(mesh.device_type)
+        convert_to_fp8(model)
     layer_classes = decoder_layer_classes(model)
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
               if isinstance(child, layer_classes)]
