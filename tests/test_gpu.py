@@ -1,7 +1,7 @@
 """What only a CUDA device can show; skipped without one (docs/BENCHMARKS.md has the commands to run on a GPU):
 flash varlen attention against the per-sample SDPA reference, and deterministic kernels repeating a step bit for
-bit (the memory-efficient SDPA backward would not), and parallel.cpu_offload training on a group with gloo beside
-NCCL."""
+bit (the memory-efficient SDPA backward would not), parallel.cpu_offload training on a group with gloo beside
+NCCL, and FP8's converted layers against bf16 (on a GPU with FP8 tensor cores)."""
 
 import os
 import subprocess
@@ -67,3 +67,30 @@ def test_cpu_offload_trains_under_nccl_with_gloo_for_the_offloaded_gradients(tmp
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "offload" / "checkpoint_00000003").is_dir()
+
+
+def test_fp8_layers_compute_what_bf16_computes_within_float8s_error():
+    # the converted model against the same weights in bf16: the loss and every gradient close (float8 e4m3 keeps 3
+    # mantissa bits and the gradients e5m2 2: a product is off by up to 1/16 or 1/8, errors that mostly cancel in sums)
+    from raysft.parallel.fp8 import FP8_CAPABILITY, convert_to_fp8, require_fp8
+
+    pytest.importorskip("torchao", reason="torchao: pip install 'raysft[fp8]' (the device check's bundle has it)")
+    if torch.cuda.get_device_capability() < FP8_CAPABILITY:
+        pytest.skip(f"{torch.cuda.get_device_name()} has no FP8 tensor cores")
+    require_fp8("cuda")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    model.load_state_dict(reference.state_dict())
+    assert len(convert_to_fp8(model)) == 14  # 4 attention and 3 MLP projections a layer; not the LM head
+    ids = torch.randint(0, 256, (4, 64), device="cuda")
+    losses, grads = [], []
+    for m in (reference, model):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters()]))
+    assert losses[1] == pytest.approx(losses[0], rel=0.02)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.95

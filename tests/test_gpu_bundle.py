@@ -1,7 +1,7 @@
 """bench/gpu/bundle.py: the bundle a device call carries, built for this machine's Python (3.11; the device's is
 3.12, the only difference a parameter) and installed, with no network, into a fresh venv that sees only what the
 GPU machine has (bundle.DEVICE_PACKAGES, linked from this environment): Ray comes from the bundle alone, and
-`raysft train` runs from it.
+`raysft train` runs from it, and torchao's float8 training (parallel.fp8) imports from it.
 
 The build downloads from PyPI into .gpubundle-cache/ (ignored by git), once: later runs reuse the wheels, as CI
 with PyPI access does. Ray's tar is compressed at xz level 0 here, to keep the test short."""
@@ -97,7 +97,7 @@ def test_the_bundle_fits_a_device_call_and_carries_none_of_what_the_device_has(v
     assert manifest["carried_bytes"] <= bundle.CARRY_LIMIT and manifest["python_version"] == PYTHON
     assert manifest["ray"].startswith("ray-") and (out / manifest["ray"]).is_file()
     names = {w.split("-")[0].replace("_", "-").lower() for w in manifest["wheels"]}
-    assert "torchtitan" in names and not names & bundle.DEVICE_PACKAGES
+    assert {"torchtitan", "torchao"} <= names and not names & bundle.DEVICE_PACKAGES
     assert json.loads((out / "manifest.json").read_text())["carried_bytes"] == manifest["carried_bytes"]
 
 
@@ -111,6 +111,22 @@ def test_ray_comes_from_the_bundle_alone(venv):
     assert done.returncode == 0, done.stderr[-3000:]
     path, ray_version = done.stdout.split()
     assert Path(path).is_relative_to(installed) and ray_version == bundle.version("ray")
+
+
+def test_fp8_training_comes_from_the_bundle(venv):
+    # torchao is not on the GPU machine: the bundle's, imported against the torch there is, converts a model
+    python, installed, _, _ = venv
+    without = subprocess.run([str(python), "-c", "import torchao"], capture_output=True, text=True)
+    assert without.returncode != 0 and "No module named 'torchao'" in without.stderr
+    probe = ("import torchao, torch; from raysft.parallel.fp8 import convert_to_fp8; "
+             "model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)); "
+             "print(torchao.__file__, torchao.__version__, convert_to_fp8(model), type(model[0]).__name__)")
+    done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{installed}:{REPO}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    path, version, converted, kind = done.stdout.split(maxsplit=3)
+    assert Path(path).is_relative_to(installed) and version == "0.18.0"
+    assert (converted, kind.strip()) == ("['0']", "Float8Linear")  # 64 x 8: not a multiple of 16 both ways
     assert not (installed / "ray" / "rllib").exists() and not (installed / "ray" / "jars").exists()
 
 

@@ -1,7 +1,8 @@
 """The first step of bench/gpu/check.py: what the machine has, before anything of raysft is imported (so that a
 raysft that cannot load there still leaves this record). `python bench/gpu/environment.py WORK` writes
 WORK/environment.json: versions, the GPU, its measured bf16 matmul rate, whether flash varlen attention runs and
-whether safetensors reads slices (raysft's per-rank pretrained loads).
+whether safetensors reads slices (raysft's per-rank pretrained loads), whether torchao's float8 training imports
+and the GPU has FP8 tensor cores (parallel.fp8).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from common import installed  # noqa: E402
 from throughput import measured_matmul_tflops  # noqa: E402
 
 PACKAGES = ("torch", "transformers", "triton", "peft", "safetensors", "tokenizers", "pyarrow", "numpy", "pytest",
-            "ray", "torchtitan")
+            "ray", "torchtitan", "torchao")
 
 
 def flash_varlen() -> dict:
@@ -40,6 +41,22 @@ def flash_varlen() -> dict:
             result["runs_in_bf16"] = bool(torch.isfinite(out.float()).all())
         except Exception as e:  # noqa: BLE001 - what the check is for: report it
             result.update(runs_in_bf16=False, error=f"{type(e).__name__}: {e}")
+    return result
+
+
+def fp8_support() -> dict:
+    """Whether torchao's float8 training imports here (the bundle's torchao against this torch) and, on CUDA, whether
+    the GPU is one parallel.fp8 takes (compute capability 8.9 or higher)."""
+    result: dict = {}
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: F401
+
+        result.update(torchao_float8=True, torchao_file=torchao.__file__)
+    except Exception as e:  # noqa: BLE001 - what the check is for: report it
+        result.update(torchao_float8=False, error=f"{type(e).__name__}: {e}")
+    if torch.cuda.is_available():
+        result["fp8_tensor_cores"] = torch.cuda.get_device_capability() >= (8, 9)
     return result
 
 
@@ -81,6 +98,7 @@ def main() -> None:
         note(bf16_matmul_tflops=measured_matmul_tflops())
     note(flash_varlen=flash_varlen())
     note(safetensors_slice_reader=slice_reader(out_path.parent))
+    note(fp8=fp8_support())
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30)
         print(smi.stdout, flush=True)
