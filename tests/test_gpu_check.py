@@ -3,12 +3,15 @@ every step in its own process, each recording its results, a failed step followe
 nothing on the torchrun path importing Ray (the GPU machine has none). No timings are asserted."""
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from conftest import REPO
+from test_fp8 import torchao_site
 
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
 import check  # noqa: E402
@@ -16,17 +19,18 @@ import check  # noqa: E402
 pytestmark = pytest.mark.slow  # runs the whole device check (about 40 s): not in make test-fast
 STEPS = ["environment", "tests", "prepare", "throughput", "profile", "determinism", "checkpoint"]
 LEGS = ["bundle", "prepare", "save_memory", "titan", "ray_recovery"]
+STEP_LEGS = ["prepare", "fp8", "memory_tier"]  # issue 47's, on the torchrun path
 # The suite runs the one Ray leg with a restart in it; ray_throughput, ray_sigterm and ray_lora start Ray again:
 # their behaviour is the suite's elsewhere (tests/test_bench.py's throughput under Ray and torchrun,
 # tests/test_signals.py, tests/test_lora.py), and the device call runs them (docs/BENCHMARKS.md)
 
 
-def smoke_run(tmp, *args: str) -> tuple[dict, dict, object]:
+def smoke_run(tmp, *args: str, env: dict | None = None) -> tuple[dict, dict, object]:
     """The check on CPU (no bundle: Ray and torchtitan as installed here): the summary, its steps by name, --out."""
     out = tmp / "out"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out", str(out),
                            "--work", str(tmp / "work"), "--bundle", str(tmp / "no-bundle"), *args],
-                          cwd=tmp, capture_output=True, text=True, timeout=3300)
+                          cwd=tmp, capture_output=True, text=True, timeout=3300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     return summary, {s["name"]: s for s in summary["steps"]}, out
@@ -46,6 +50,15 @@ def legs(tmp_path_factory):
     # each leg of Ray launches Ray once or twice: the budget leaves time for a slow, shared machine
     return smoke_run(tmp_path_factory.mktemp("gpu-legs"), "--only", ",".join(LEGS), "--variants", "varlen",
                      "--budget-s", "3000")
+
+
+@pytest.fixture(scope="module")
+def step_legs(tmp_path_factory):
+    """One smoke run of the legs of issue 47: the memory tier's cost and FP8 against bf16 (FP8 refused on a CPU), with
+    the bundle's torchao on the path, as on the device (the suite's environment has none: tests/test_fp8.py)."""
+    path = os.pathsep.join(filter(None, [str(torchao_site()), os.environ.get("PYTHONPATH")]))
+    return smoke_run(tmp_path_factory.mktemp("gpu-step-legs"), "--only", ",".join(STEP_LEGS),
+                     env={**os.environ, "PYTHONPATH": path})
 
 
 def test_a_failed_step_is_recorded_and_every_later_step_still_runs(smoke):
@@ -116,7 +129,7 @@ def test_steps_without_the_time_they_need_are_skipped_not_started(tmp_path, caps
                        "--budget-s", "1"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     every = [s.name for s in check.steps(tmp_path, [], True, tmp_path)]
-    assert set(STEPS) | set(LEGS) <= set(every)
+    assert set(STEPS) | set(LEGS) | set(STEP_LEGS) <= set(every)
     assert [(s["name"], s["status"]) for s in summary["steps"]] == [(name, "skipped") for name in every]
     assert all("left of the budget" in s["reason"] for s in summary["steps"])
     assert not list((tmp_path / "work").glob("*.log"))
@@ -196,3 +209,54 @@ def test_the_issue_39_legs_run_and_record_what_they_measure(legs):
     assert recovery["killed"]["pid"] > 0 and recovery["resumed_from"] and recovery["bit_exact"] is True
     assert recovery["first_difference"] is None and recovery["steps_trained_twice"]
     assert summary["targets"]["ray_worker_restart_bit_exact"]["met"] is True
+
+
+def test_the_issue_47_legs_run_and_record_what_they_measure(step_legs):
+    summary, steps, _ = step_legs
+    assert list(steps) == STEP_LEGS
+    assert all(s["status"] == "ok" for s in steps.values()), {n: s.get("log_tail") for n, s in steps.items()}
+
+    tier = steps["memory_tier"]["result"]  # no tier, every 2 steps (every 10 on a GPU), every step
+    assert set(tier["step_s"]) == {"none", "every_2", "every_1"} and all(v > 0 for v in tier["step_s"].values())
+    assert tier["over_none"]["every_1"] == tier["step_s"]["every_1"] / tier["step_s"]["none"]
+    runs = {name: rs[0] for name, rs in tier["runs"].items()}
+    assert "taken" not in runs["none"] and runs["none"]["snapshot_calls"] == 0
+    for name in ("every_2", "every_1"):  # snapshots taken and timed, the tier on, its buffer the planned size
+        assert runs[name]["taken"] >= 1 and runs[name]["snapshot_calls"] == len(runs[name]["snapshot_call_s"]) >= 1
+        assert runs[name]["off"] is None and runs[name]["staging_bytes"] == tier["staging_bytes"]
+    assert tier["snapshot_call_median_s"] > 0 and tier["staging_over_plan"] == pytest.approx(1.0, abs=0.05)
+    assert not Path(tier["memory_dir"]).exists()  # the snapshots' private directory, removed
+    assert summary["targets"]["tier_every_step_over_none"]["value"] == tier["over_none"]["every_1"]
+
+    fp8 = steps["fp8"]["result"]
+    bf16, refused = fp8["variants"]["bf16"], fp8["variants"]["fp8"]
+    assert bf16["status"] == "ok" and bf16["tokens_per_s"] > 0 and bf16["fp8_layers"] == 0
+    assert len(bf16["losses"]) == check.PLANS["smoke"]["fp8_steps"]
+    # FP8 refused on this CPU by the trainer's own check: the reason recorded, no FP8 numbers, no comparison
+    assert refused["status"] == "refused" and "config key 'parallel.fp8'" in refused["reason"]
+    assert "this worker trains on cpu" in refused["reason"] and not {"tokens_per_s", "losses"} & set(refused)
+    assert fp8["comparison"] is None
+    assert summary["targets"]["fp8_loss_within_tolerance"] == {"value": None, "target": True, "met": None}
+    assert not tier["ray_imported"] and not fp8["ray_imported"]
+
+
+def test_the_fp8_comparison_holds_the_loss_to_its_tolerance():
+    import step_legs
+
+    bf16 = {"status": "ok", "tokens_per_s": 100.0, "losses": [3.0, 2.0, 1.0, 1.0]}
+    close = {**bf16, "tokens_per_s": 150.0, "losses": [3.1, 2.2, 1.02, 1.04]}
+    far = {**close, "losses": [3.0, 2.0, 1.2, 1.0]}
+    c = step_legs.compare(bf16, close, window=2)
+    assert c["fp8_over_bf16_tokens_per_s"] == 1.5 and c["relative_difference"] == pytest.approx(0.03)
+    assert c["loss_within_tolerance"] is True and c["step_relative_difference_max"] == pytest.approx(0.1)
+    assert step_legs.compare(bf16, far, window=2)["loss_within_tolerance"] is False  # 10% apart over the window
+    assert step_legs.compare(bf16, {"status": "refused", "reason": "a CPU"}, window=2) is None
+
+
+def test_a_plan_value_is_replaced_by_name_and_an_unknown_one_refused(tmp_path):
+    assert check.main(["--smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget-s", "1",
+                       "--plan", "fp8_steps=300", "--plan", 'fp8_recipe="varlen"']) == 0
+    plan = json.loads((tmp_path / "work" / "plan.json").read_text())
+    assert (plan["fp8_steps"], plan["fp8_recipe"]) == (300, "varlen")
+    with pytest.raises(SystemExit):
+        check.main(["--smoke", "--out", str(tmp_path / "out"), "--plan", "fp8_stepz=300"])

@@ -11,6 +11,10 @@ hangs costs only its own minutes and the next one still runs:
     determinism   train.deterministic: a run stopped and resumed against the same run in one go, bit for bit
     checkpoint    how long an async sharded save blocks training against a sync one, full fine-tuning and LoRA
     save_memory   each rank's peak device and host memory during a full save, against a sharded one
+    fp8           parallel.fp8 against bf16 on the throughput shape: tokens/s, and the loss over a few hundred steps
+                  within a stated tolerance of bf16's (step_legs.py)
+    memory_tier   the memory tier every step and every 10 steps against none: step time, the time its snapshot call
+                  holds the step, its page-locked host memory against `raysft plan` (step_legs.py)
     titan         torchtitan's Llama-3 trainer on the throughput shape, dtype and tokens per step (titan.py)
     ray_*         Ray Train: throughput against torchrun, a killed worker restarted bit-exact, SIGTERM to the
                   driver, LoRA (ray_legs.py)
@@ -18,7 +22,7 @@ hangs costs only its own minutes and the next one still runs:
     python3 bench/gpu/check.py --out "$OUT"              # on the GPU machine (docs/BENCHMARKS.md: the device call)
     .venv/bin/python bench/gpu/check.py --smoke --out D  # the same steps on CPU at toy size (tests/test_gpu_check.py)
 
-The GPU machine has no Ray and no torchtitan: a first step, `bundle`, installs them from the carried bundle
+The GPU machine has no Ray, torchtitan or torchao: a first step, `bundle`, installs them from the carried bundle
 (bench/gpu/bundle.py) into WORK/site, which every later step has first on its PYTHONPATH; without a bundle it is
 skipped, and the steps before the Ray and torchtitan legs need neither (the torchrun path imports no Ray). Under --out:
 summary.json (every step's status, time, results and the end of its log, rewritten after each step), summary.md
@@ -61,21 +65,28 @@ PLANS = {
             "model": LLAMA_1B, "small": {"hidden": 1024, "layers": 8, "intermediate": 4096, "vocab": 32768},
             "warmup": 3, "steps": 8, "compile_warmup": 3, "tune_warmup": 2, "tune_steps": 5, "max_budgets": 4,
             "profile_steps": 3, "det_steps": 8, "saves": 2, "recovery_steps": 40, "launch_timeout_s": 150,
-            "titan_timeout_s": 150, "variants": ["varlen", "full-logits", "lora", "padded", "packed", "compiled"]},
+            "titan_timeout_s": 150, "variants": ["varlen", "full-logits", "lora", "padded", "packed", "compiled"],
+            # memory_tier: the small model (its state 2.3 GB), 3 + 40 steps a run, 2 rounds of none / every 10 / every 1
+            "tier_model": "small", "tier_steps": 40, "tier_every": [10, 1], "tier_rounds": 2,
+            # fp8: the compiled recipe at the budget the H100's tuning chose, 200 steps from the prepared weights
+            "fp8_recipe": "compiled", "fp8_tokens": 16384, "fp8_steps": 200, "fp8_window": 50, "fp8_lr": 3e-4},
     "smoke": {"gpu": False, "mixed_precision": "bf16", "seq_len": 128, "global_batch": 8, "micro_batch": 2,
               "model": {"hidden": 128, "layers": 2, "intermediate": 0, "vocab": 0},
               "small": {"hidden": 128, "layers": 2, "intermediate": 0, "vocab": 0},
               "warmup": 1, "steps": 1, "compile_warmup": 0, "tune_warmup": 1, "tune_steps": 1, "max_budgets": 2,
               "profile_steps": 1, "det_steps": 2, "saves": 1, "recovery_steps": 12, "launch_timeout_s": 240,
-              "titan_timeout_s": 60, "variants": ["varlen", "full-logits", "lora", "padded", "packed"]},
+              "titan_timeout_s": 60, "variants": ["varlen", "full-logits", "lora", "padded", "packed"],
+              "tier_model": "small", "tier_steps": 4, "tier_every": [2, 1], "tier_rounds": 1,
+              "fp8_recipe": "varlen", "fp8_tokens": 256, "fp8_steps": 4, "fp8_window": 2, "fp8_lr": 3e-4},
 }
 # The issue-30 targets (H100, 1B shape, bf16, FastChat data) that the summary checks the results against.
 TARGET_MFU, TARGET_PEAK_GIB, TARGET_ASYNC_BLOCKING = 0.40, 0.6 * 35.2, 0.05
 # issue 17's and 39's: raysft under Ray at least 0.97 of the same trainer under torchrun, at least torchtitan's
 TARGET_RAY_OVER_TORCHRUN, TARGET_OVER_TORCHTITAN = 0.97, 1.0
+TARGET_TIER_EVERY_STEP = 1.05  # issue 47's: the memory tier every step costs at most 5% of the step
 
 
-TRAINING = ("throughput", "profile", "determinism", "checkpoint", "save_memory")
+TRAINING = ("throughput", "profile", "determinism", "checkpoint", "save_memory", "memory_tier", "fp8")
 RAY_LEGS = ("ray_throughput", "ray_recovery", "ray_sigterm", "ray_lora")
 
 
@@ -111,6 +122,8 @@ def steps(work: Path, tests: list[str], smoke: bool, bundle: Path) -> list[Step]
             step("determinism", [py, script, "determinism", str(work)], 75, 30),
             step("checkpoint", [py, script, "checkpoint", str(work)], 75, 30),
             step("save_memory", [py, script, "save_memory", str(work)], 60, 20),
+            *(step(leg, [py, str(GPU_DIR / "step_legs.py"), leg, str(work)], limit, reserve)
+              for leg, limit, reserve in (("fp8", 300, 60), ("memory_tier", 150, 40))),
             step("titan", [py, str(GPU_DIR / "titan.py"), str(work)], 180, 40),
             *(step(leg, [py, str(GPU_DIR / "ray_legs.py"), leg, str(work)], 240, 40) for leg in RAY_LEGS)]
 
@@ -203,6 +216,7 @@ def targets(records: dict[str, dict]) -> dict[str, dict]:
     def holds(value) -> dict:
         return {"value": value, "target": True, "met": value}
 
+    fp8 = result("fp8").get("comparison") or {}
     return {"mfu": check(best.get("mfu"), TARGET_MFU, below=False),
             "ray_over_torchrun": check(result("ray_throughput").get("ray_over_torchrun"), TARGET_RAY_OVER_TORCHRUN,
                                        below=False),
@@ -214,7 +228,10 @@ def targets(records: dict[str, dict]) -> dict[str, dict]:
             "resume_bit_identical": {"value": det.get("resume_bit_identical"), "target": True,
                                      "met": det.get("resume_bit_identical")},
             "async_blocking_over_sync_save": check(ckpt.get("async_blocking_over_sync_save"), TARGET_ASYNC_BLOCKING,
-                                                   below=True)}
+                                                   below=True),
+            "tier_every_step_over_none": check(result("memory_tier").get("over_none", {}).get("every_1"),
+                                               TARGET_TIER_EVERY_STEP, below=True),
+            "fp8_loss_within_tolerance": holds(fp8.get("loss_within_tolerance"))}
 
 
 def table(summary: dict) -> str:
@@ -280,6 +297,15 @@ def key_results(record: dict) -> str:
         return f"exit {r.get('returncode')}, checkpoints {r.get('checkpoint_steps')}, last step {r.get('last_step')}"
     if record["name"] == "ray_lora":
         return f"ok {r.get('ok')}, {number(r.get('tokens_per_s'), '.0f')} tokens/s"
+    if record["name"] == "memory_tier":
+        return f"step over none {r.get('over_none')}, snapshot call {number(r.get('snapshot_call_median_s'), '.4f')} " \
+               f"s, staging over plan {number(r.get('staging_over_plan'), '.3f')}"
+    if record["name"] == "fp8":
+        c, refused = r.get("comparison") or {}, r.get("variants", {}).get("fp8", {}).get("reason")
+        return f"FP8 refused: {refused}" if refused else \
+            f"FP8 over bf16 {number(c.get('fp8_over_bf16_tokens_per_s'), '.3f')} tokens/s, last-{c.get('window')} " \
+            f"loss {number(c.get('relative_difference'), '.4f')} apart (within {c.get('tolerance')}: " \
+            f"{c.get('loss_within_tolerance')})"
     return ""
 
 
@@ -310,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests", nargs="*", help="test files or ids for the tests step (default: gpu_tests())")
     parser.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
     parser.add_argument("--variants", default="", help="comma-separated throughput recipes (default: the plan's)")
+    parser.add_argument("--plan", action="append", default=[], metavar="KEY=JSON",
+                        help="a value of the plan replaced, e.g. fp8_steps=300 or fp8_recipe='\"varlen\"'")
     parser.add_argument("--bundle", type=Path, default=REPO / ".gpubundle",
-                        help="what bench/gpu/bundle.py built: Ray and torchtitan for a machine without them")
+                        help="what bench/gpu/bundle.py built: Ray, torchtitan, torchao for a machine without them")
     args = parser.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -320,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = dict(PLANS["smoke" if args.smoke else "gpu"])
     if args.variants:
         plan["variants"] = [v for v in plan["variants"] if v in args.variants.split(",")]
+    for item in args.plan:
+        key, _, value = item.partition("=")
+        if key not in plan:
+            parser.error(f"--plan {item}: the plan has no {key!r} (it has {', '.join(sorted(plan))})")
+        plan[key] = json.loads(value)
     plan["data"] = args.data or ("builtin:demo" if args.smoke else
                                  str(next((p for p in FASTCHAT if p.is_file()), "builtin:demo")))
     (work / "plan.json").write_text(json.dumps(plan, indent=1))
