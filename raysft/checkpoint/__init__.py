@@ -17,6 +17,7 @@ Modules, by role:
   sinks         where parts are written and how a finished checkpoint is committed (run dir, upload, Ray)
   discovery     names, the checkpoint to resume from
   retention     which checkpoints are kept (keep, keep_best) and which one `latest`, `best` or a step means
+  gen_record    a checkpoint's generation-evaluation record beside it (eval/): scores, per-sample table, failures
 """
 
 from raysft.checkpoint.checkpointer import Checkpointer, auto_mode, choose_mode

@@ -1,10 +1,11 @@
 """Which checkpoints of a run are kept, and which one a user means by `latest`, `best` or a step.
 
-Retention is checkpoint.keep (the newest N) or, with checkpoint.keep_best, the N of lowest eval loss plus the
-newest: Ray's own rule for `CheckpointConfig(num_to_keep=N, checkpoint_score_attribute="eval_loss",
-checkpoint_score_order="min")`, which prunes the checkpoints it registers. Without Ray raysft prunes by the same
-rule (`prune`, called by the sinks), so a run's directory looks the same either way. A checkpoint's eval loss is
-the one recorded in its trainer_state.json; one that was not validated ranks last.
+Retention is checkpoint.keep (the newest N) or, with checkpoint.keep_best, the N best by checkpoint.best_metric
+(lowest eval loss by default) plus the newest: Ray's own rule for `CheckpointConfig(num_to_keep=N,
+checkpoint_score_attribute=best_metric, checkpoint_score_order=min|max)`, which prunes the checkpoints it
+registers. Without Ray raysft prunes by the same rule (`prune`, called by the sinks), so a run's directory looks
+the same either way. A checkpoint's value is the one recorded with it (its trainer_state.json, or for a gen/ score
+its generation-evaluation record, raysft.checkpoint.gen_record); one without ranks last.
 
 Under Ray, Ray alone deletes: its snapshot of the checkpoints it tracks must name only directories that exist, or
 the next launch of the run fails. A report dies with a worker killed before Ray collected it, and Ray never tracks
@@ -21,6 +22,7 @@ import math
 from pathlib import Path
 
 from raysft.checkpoint.discovery import checkpoint_dirs
+from raysft.checkpoint.gen_record import recorded_metric
 from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason
 from raysft.checkpoint.state import STATE_FILE, CheckpointError
 from raysft.storage import Location, location, native
@@ -36,18 +38,26 @@ def eval_loss(ckpt) -> float | None:
     return float(value) if ok else None
 
 
-def best_first(checkpoints: list) -> list:
-    """The validated checkpoints, lowest eval loss first (of equal ones, the newer); `checkpoints` oldest first."""
-    scored = [(loss, -i, c) for i, c in enumerate(checkpoints) if (loss := eval_loss(c)) is not None]
+LOWEST_EVAL_LOSS = ("eval_loss", "min")  # checkpoint.best_metric and its mode (min or max) by default
+
+
+def best_first(checkpoints: list, best: tuple[str, str] = LOWEST_EVAL_LOSS) -> list:
+    """The checkpoints that recorded the metric best[0], best first (mode best[1]: "min" or "max"; of equal ones,
+    the newer); `checkpoints` oldest first. Its value is what the checkpoint recorded (gen_record.recorded_metric:
+    the trainer state's validation metrics, or the generation evaluation's record)."""
+    metric, mode = best
+    sign = 1.0 if mode == "min" else -1.0
+    scored = [(sign * value, -i, c) for i, c in enumerate(checkpoints)
+              if (value := recorded_metric(c, metric)) is not None]
     return [c for _, _, c in sorted(scored, key=lambda s: s[:2])]
 
 
-def to_prune(complete: list, keep: int, keep_best: int = 0) -> list:
+def to_prune(complete: list, keep: int, keep_best: int = 0, best: tuple[str, str] = LOWEST_EVAL_LOSS) -> list:
     """The complete checkpoints (oldest first) that retention deletes; never the newest."""
     if not complete:
         return []
     if keep_best:
-        kept = {str(c) for c in best_first(complete)[:keep_best]} | {str(complete[-1])}
+        kept = {str(c) for c in best_first(complete, best)[:keep_best]} | {str(complete[-1])}
         return [c for c in complete if str(c) not in kept]
     return complete[: -keep] if keep else []
 
@@ -57,10 +67,10 @@ def complete_checkpoints(run_dir) -> list:
     return [d for d in checkpoint_dirs(run_dir) if (location(d) / MANIFEST_FILE).is_file()]
 
 
-def prune(run_dir: Path | Location, keep: int, keep_best: int = 0) -> None:
+def prune(run_dir: Path | Location, keep: int, keep_best: int = 0, best: tuple[str, str] = LOWEST_EVAL_LOSS) -> None:
     """Delete what retention does not keep, local or on remote storage. Best effort: a checkpoint that could not
     be deleted is only one more kept."""
-    for old in to_prune(complete_checkpoints(run_dir), keep, keep_best):
+    for old in to_prune(complete_checkpoints(run_dir), keep, keep_best, best):
         with contextlib.suppress(OSError):
             location(old).fs.delete_dir(location(old).path)
 
@@ -78,9 +88,11 @@ def unregistered(run_dir: Path | Location, resume_dir: Path | Location | None,
             if (registered_latest is None or c.name > registered_latest) and c.name <= resume_dir.name]
 
 
-def select_checkpoint(path: str | object, which: str = "latest") -> Location | object:
-    """A checkpoint directory as it is, or in a run directory the checkpoint `which` names: "latest", "best" (lowest
-    recorded eval loss) or a step number. CheckpointError naming the run and what it holds otherwise."""
+def select_checkpoint(path: str | object, which: str = "latest",
+                      best: tuple[str, str] = LOWEST_EVAL_LOSS) -> Location | object:
+    """A checkpoint directory as it is, or in a run directory the checkpoint `which` names: "latest", "best" (the
+    best recorded value of the metric best[0], lowest eval loss by default) or a step number. CheckpointError
+    naming the run and what it holds otherwise."""
     where = location(path)
     if (where / STATE_FILE).is_file():
         if which != "latest":
@@ -93,11 +105,11 @@ def select_checkpoint(path: str | object, which: str = "latest") -> Location | o
     if which == "latest":
         return candidates[-1]
     if which == "best":
-        best = best_first(candidates)
-        if not best:
-            raise CheckpointError(f"{path}: no checkpoint has an eval loss (set data.eval_paths or "
-                                  "data.eval_fraction to validate); pick latest or a step")
-        return best[0]
+        ranked = best_first(candidates, best)
+        if not ranked:
+            raise CheckpointError(f"{path}: no checkpoint has recorded {best[0]} (eval_loss needs data.eval_paths or "
+                                  "data.eval_fraction, a gen/ score the eval section); pick latest or a step")
+        return ranked[0]
     if not which.isdigit():
         raise CheckpointError(f"--checkpoint {which!r}: expected latest, best or a step number")
     steps = {json.loads((location(c) / STATE_FILE).read_text())["step"]: c for c in candidates}

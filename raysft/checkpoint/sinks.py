@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from raysft.checkpoint.discovery import checkpoint_name
 from raysft.checkpoint.manifest import MANIFEST_FILE, fsync
-from raysft.checkpoint.retention import prune
+from raysft.checkpoint.retention import LOWEST_EVAL_LOSS, prune
 from raysft.errors import CheckpointSaveError
 from raysft.parallel.collectives import count_ranks, from_rank0
 from raysft.storage import Location
@@ -121,8 +121,10 @@ class DirectorySink:
 
     def __init__(self, run_dir: Path, rank: int, keep: int = 0, taken: frozenset[str] = frozenset(),
                  on_commit: Callable[[Path | None, dict], None] | None = None,
-                 on_report: Callable[[dict], None] | None = None, keep_best: int = 0):
+                 on_report: Callable[[dict], None] | None = None, keep_best: int = 0,
+                 best: tuple[str, str] = LOWEST_EVAL_LOSS):
         self.run_dir, self.rank, self.keep, self.keep_best = Path(run_dir), rank, keep, keep_best
+        self.best = best  # keep_best's metric and mode (checkpoint.best_metric)
         self.names = _Names(taken)
         self.on_commit, self.on_report = on_commit, on_report
         if rank == 0:
@@ -145,7 +147,7 @@ class DirectorySink:
             with contextlib.suppress(OSError):  # the staging area, once empty, goes too
                 staged.parent.rmdir()
             if self.keep or self.keep_best:
-                prune(self.run_dir, self.keep, self.keep_best)
+                prune(self.run_dir, self.keep, self.keep_best, self.best)
             return None
 
         error = from_rank0(rename)
@@ -174,8 +176,9 @@ class UploadSink:
     shared = False
 
     def __init__(self, run_dir: Location, rank: int, keep: int, scratch: Path, taken: frozenset[str] = frozenset(),
-                 keep_best: int = 0):
+                 keep_best: int = 0, best: tuple[str, str] = LOWEST_EVAL_LOSS):
         self.run_dir, self.rank, self.keep, self.scratch, self.keep_best = run_dir, rank, keep, scratch, keep_best
+        self.best = best
         self.names = _Names(taken)
         self.staged: dict[Path, str] = {}
         clear_scratch(scratch)
@@ -200,7 +203,7 @@ class UploadSink:
             if not failed and self.rank == 0:
                 (final / MANIFEST_FILE).upload(staged / MANIFEST_FILE)
                 if self.keep or self.keep_best:
-                    prune(self.run_dir, self.keep, self.keep_best)
+                    prune(self.run_dir, self.keep, self.keep_best, self.best)
         except OSError as e:
             error = e
         finally:

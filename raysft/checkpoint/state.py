@@ -31,6 +31,7 @@ class TrainState:
     step: int  # optimizer steps completed
     cursor: DataCursor
     eval_loss: float | None = None  # of the weights at `step`, if validated there (checkpoint.keep_best ranks by it)
+    eval_metrics: dict | None = None  # the validation pass's other metrics there (DPO's eval/rewards/..., eval_s)
     skipped_steps: int = 0  # steps not applied (raysft.training.step_guard), over the whole run
 
 
@@ -69,6 +70,7 @@ def trainer_state_dict(mode: str, objs: TrainingObjects, state: TrainState) -> d
         "loss_scaler": objs.scaler.state_dict(),  # {} unless fp16
         "world_size": dist.get_world_size(),
         "eval_loss": state.eval_loss,
+        **({"eval_metrics": state.eval_metrics} if state.eval_metrics else {}),
         "skipped_steps": state.skipped_steps,
         "step_guard": objs.guard.state_dict(),
         **({"lora": objs.lora} if objs.lora else {}),

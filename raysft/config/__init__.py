@@ -1,8 +1,9 @@
 """The run configuration: what can be set, how it is read and what it must pass.
 
 Modules, by role (each imports only those above it in this list):
-  sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics, dpo),
-            composed into TrainConfig; their docstrings are the configuration reference (reference_markdown)
+  gen_eval  the `eval` section (generation evaluation of checkpoints), a module of its own beside sections
+  sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics, dpo,
+            eval), composed into TrainConfig; their docstrings are the configuration reference (reference_markdown)
   checks    the checks beyond types, one function per section (check_train, check_data, ...) and then those that
             join sections; the rules of the parallel layout that need no cluster (parallel_layout, which
             raysft.parallel.layout's ParallelDims is built from)
@@ -10,7 +11,8 @@ Modules, by role (each imports only those above it in this list):
             the checks: load_config and config_from_dict are the only ways in
 """
 
-from raysft.config.checks import data_sources, parallel_layout, sequence_layout
+from raysft.config.checks import best_mode, data_sources, parallel_layout, sequence_layout
+from raysft.config.gen_eval import SCORERS, GenEvalConfig
 from raysft.config.load import config_from_dict, load_config
 from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
@@ -32,8 +34,9 @@ from raysft.config.sections import (
 from raysft.errors import ConfigError
 
 __all__ = [
-    "ATTN_IMPLEMENTATIONS", "BUILTIN", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig", "DpoConfig",
-    "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig",
-    "TrainLoopConfig",
-    "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown", "sequence_layout",
+    "ATTN_IMPLEMENTATIONS", "BUILTIN", "SCORERS", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig",
+    "DpoConfig", "GenEvalConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig",
+    "ScalingConfig", "TrainConfig", "TrainLoopConfig",
+    "best_mode", "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown",
+    "sequence_layout",
 ]

@@ -8,6 +8,7 @@ import math
 import os
 import re
 
+from raysft.config.gen_eval import SCORERS, GenEvalConfig
 from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
     BUILTIN,
@@ -50,6 +51,7 @@ def validate(cfg: TrainConfig) -> None:
     check_model(cfg.model)
     check_run(cfg.run)
     check_metrics(cfg.metrics)
+    check_gen_eval(cfg.eval)
     _validate_batch(cfg)
     _validate_eval(cfg)
     _validate_dpo(cfg)
@@ -93,6 +95,32 @@ def check_scaling(s: ScalingConfig) -> None:
     _require(s.cpus_per_worker > 0, "scaling.cpus_per_worker", f"must be > 0, got {s.cpus_per_worker}")
     _require(s.placement_timeout_s > 0, "scaling.placement_timeout_s", f"must be > 0, got {s.placement_timeout_s}")
     _require(s.max_failures >= -1, "scaling.max_failures", f"must be >= -1, got {s.max_failures}")
+
+
+def check_gen_eval(e: GenEvalConfig) -> None:
+    """The generation evaluation's values (the eval set's records are checked on the driver before a launch:
+    raysft.launch.prelaunch)."""
+    _require(bool(e.scorers), "eval.scorers", f"needs at least one of {', '.join(SCORERS)}")
+    unknown = [name for name in e.scorers if name not in SCORERS]
+    _require(not unknown, "eval.scorers", f"{unknown[0] if unknown else ''!r} is not one of {', '.join(SCORERS)}")
+    _require(len(set(e.scorers)) == len(e.scorers), "eval.scorers", f"lists a scorer twice: {e.scorers}")
+    if "regex" in e.scorers or e.answer_pattern:
+        _require(bool(e.answer_pattern), "eval.answer_pattern", "the regex scorer needs a regular expression")
+        _require(_compiles(e.answer_pattern), "eval.answer_pattern",
+                 f"{e.answer_pattern!r} is not a regular expression")
+        _require("regex" in e.scorers, "eval.answer_pattern", "is the regex scorer's: add regex to eval.scorers")
+    _require(e.max_new_tokens > 0, "eval.max_new_tokens", f"must be > 0, got {e.max_new_tokens}")
+    _require(e.temperature >= 0, "eval.temperature", f"must be >= 0 (0: greedy), got {e.temperature}")
+    _require(e.max_samples >= 0, "eval.max_samples", f"must be >= 0 (0: all), got {e.max_samples}")
+    _require(e.batch_size > 0, "eval.batch_size", f"must be > 0, got {e.batch_size}")
+    _require(all(isinstance(s, str) and s for s in e.stop), "eval.stop", f"must be non-empty strings, got {e.stop}")
+    _require(e.num_cpus > 0, "eval.num_cpus", f"must be > 0, got {e.num_cpus}")
+    _require(e.num_gpus >= 0, "eval.num_gpus", f"must be >= 0, got {e.num_gpus}")
+    _require(e.timeout_s > 0, "eval.timeout_s", f"must be > 0 seconds, got {e.timeout_s}")
+    _require(e.engine != "vllm" or e.num_gpus >= 1, "eval.engine",
+             f"vllm runs its engine on GPUs: set eval.num_gpus >= 1 (its tensor-parallel size), got {e.num_gpus}")
+    _require(not is_remote(e.path), "eval.path",
+             f"must be a file every node can read (a local or shared path), got the URI {e.path!r}")
 
 
 def check_checkpoint(c: CheckpointConfig) -> None:
@@ -186,13 +214,37 @@ def _validate_batch(cfg: TrainConfig) -> None:
 
 
 def _validate_eval(cfg: TrainConfig) -> None:
-    """Validation needs validation data: data.eval_paths or data.eval_fraction."""
+    """Validation needs validation data (data.eval_paths or data.eval_fraction); checkpoint.keep_best ranks by a
+    metric that some evaluation of the run produces: the validation pass (eval_loss, eval/...) or the generation
+    evaluation (gen/<scorer> of eval.scorers)."""
     d, t, c = cfg.data, cfg.train, cfg.checkpoint
     has_eval = bool(d.eval_paths or d.eval_fraction)
     _require(has_eval or not t.eval_every_n_steps, "train.eval_every_n_steps",
              "needs validation data: set data.eval_paths or data.eval_fraction")
+    metric = c.best_metric
+    if metric.startswith("gen/"):
+        scorer = metric.removeprefix("gen/")
+        _require(scorer in SCORERS, "checkpoint.best_metric",
+                 f"{metric!r}: a generation score is gen/<scorer>, one of {', '.join('gen/' + s for s in SCORERS)}")
+        _require(not c.keep_best or bool(cfg.eval.path), "checkpoint.keep_best",
+                 f"ranks checkpoints by {metric}, a generation score: set eval.path")
+        _require(not c.keep_best or scorer in cfg.eval.scorers, "checkpoint.best_metric",
+                 f"{metric} ranks by the {scorer} scorer, which eval.scorers {cfg.eval.scorers} does not run")
+        return
+    dpo_metrics = [f"eval/{m}" for m in ("rewards/accuracies", "rewards/margins", "rewards/chosen",
+                                         "rewards/rejected")]
+    known = ["eval_loss", *(dpo_metrics if t.objective == "dpo" else [])]
+    _require(metric in known, "checkpoint.best_metric",
+             f"{metric!r} is not a metric of this run's evaluations: one of {', '.join(known)} or gen/<scorer>")
     _require(has_eval or not c.keep_best, "checkpoint.keep_best",
-             "ranks checkpoints by eval loss: set data.eval_paths or data.eval_fraction")
+             f"ranks checkpoints by {metric}: set data.eval_paths or data.eval_fraction")
+
+
+def best_mode(c: CheckpointConfig) -> str:
+    """"min" or "max": checkpoint.best_mode, or for auto, min for a metric named ...loss, else max."""
+    if c.best_mode != "auto":
+        return c.best_mode
+    return "min" if c.best_metric.endswith("loss") else "max"
 
 
 def _validate_dpo(cfg: TrainConfig) -> None:
@@ -205,8 +257,6 @@ def _validate_dpo(cfg: TrainConfig) -> None:
     _require(cfg.parallel.sequence_parallel == 1, "parallel.sequence_parallel",
              "train.objective dpo sums each answer's log-probabilities over the whole sequence on one worker: "
              "set parallel.sequence_parallel: 1")
-    _require(not (cfg.data.eval_paths or cfg.data.eval_fraction), "data.eval_paths",
-             "train.objective dpo has no validation pass: leave data.eval_paths and data.eval_fraction unset")
 
 
 def _validate_fp8(cfg: TrainConfig) -> None:

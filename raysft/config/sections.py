@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from raysft.config.gen_eval import GenEvalConfig
 from raysft.storage import Location, location, native
 
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
@@ -209,8 +210,15 @@ class CheckpointConfig:
     keep: int = 2
     """Checkpoints kept by Ray (num_to_keep); the latest is never deleted."""
     keep_best: int = 0
-    """Instead of `keep`: the N checkpoints of lowest eval loss plus the latest (needs validation data); Ray's
-    checkpoint_score_attribute "eval_loss". `raysft export RUN_DIR OUT --checkpoint best` exports the best."""
+    """Instead of `keep`: the N best checkpoints by best_metric plus the latest; Ray's checkpoint_score_attribute.
+    A checkpoint without the metric (not validated, or its generation evaluation failed) ranks last. `raysft export
+    RUN_DIR OUT --checkpoint best` exports the best."""
+    best_metric: str = "eval_loss"
+    """What keep_best ranks by: eval_loss (needs data.eval_paths or data.eval_fraction), another validation metric
+    of that pass (eval/rewards/accuracies, eval/rewards/margins with train.objective dpo), or a generation score
+    gen/<scorer> of the `eval` section (one of eval.scorers)."""
+    best_mode: Literal["auto", "min", "max"] = "auto"
+    """Whether a lower or a higher best_metric is better; auto: min for a name ending in "loss", else max."""
     memory_every_n_steps: int = 0
     """The memory tier (0: off): a snapshot of the whole training state in node-local host memory every N steps
     (passed over while the previous one is still being written), each rank's part copied to another node, so that a
@@ -316,6 +324,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    eval: GenEvalConfig = field(default_factory=GenEvalConfig)
 
     @property
     def run_dir(self) -> Path | Location:
@@ -341,7 +350,8 @@ def reference_markdown() -> str:
     import sys
 
     docs = {}
-    for node in ast.walk(ast.parse(inspect.getsource(sys.modules[__name__]))):
+    modules = (sys.modules[__name__], sys.modules[GenEvalConfig.__module__])  # sections in modules of their own
+    for node in (n for m in modules for n in ast.walk(ast.parse(inspect.getsource(m)))):
         if isinstance(node, ast.ClassDef):
             for stmt, after in zip(node.body, node.body[1:], strict=False):
                 if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr) and \

@@ -41,6 +41,18 @@ class Conversation:
 def to_conversation(record: Any, system_prompt: str = "") -> Conversation:
     """Normalize either input format, rejecting what would train on garbage; `system_prompt` opens conversations
     that have no system message."""
+    messages, field_name = to_messages(record)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRecord("no_assistant_turn", f"'{field_name}' has no assistant turn to learn from")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return Conversation(messages, _tools(record.get("tools")))
+
+
+def to_messages(record: Any) -> tuple[list[dict[str, Any]], str]:
+    """The record's turns as messages, and the field they came from ("conversations" or "messages"); a record
+    that is not a conversation of either format is a BadRecord. Whether it can be trained on is to_conversation's
+    question: an evaluation prompt (raysft.evals) ends before the answer it asks for."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
@@ -55,12 +67,12 @@ def to_conversation(record: Any, system_prompt: str = "") -> Conversation:
         raise BadRecord("bad_structure", f"'{field_name}' must be a list, got {type(turns).__name__}")
     if not turns:
         raise BadRecord("empty_conversation", f"'{field_name}' is empty")
-    messages = [_message(turn, f"{field_name}[{i}]", role_key, content_key) for i, turn in enumerate(turns)]
-    if not any(m["role"] == "assistant" for m in messages):
-        raise BadRecord("no_assistant_turn", f"'{field_name}' has no assistant turn to learn from")
-    if system_prompt and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return Conversation(messages, _tools(record.get("tools")))
+    return [_message(turn, f"{field_name}[{i}]", role_key, content_key) for i, turn in enumerate(turns)], field_name
+
+
+def tools_of(record: dict) -> list[dict] | None:
+    """The function schemas a record offers, as chat templates take them (BadRecord if they are malformed)."""
+    return _tools(record.get("tools"))
 
 
 def _message(turn: Any, where: str, role_key: str, content_key: str) -> dict[str, Any]:

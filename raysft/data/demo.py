@@ -14,6 +14,7 @@ from pathlib import Path
 DEMO_DIR = Path(__file__).parent.parent / "assets" / "demo"
 DEMO_CONVERSATIONS = DEMO_DIR / "conversations.json"
 DEMO_PREFERENCES = DEMO_DIR / "preferences.json"
+DEMO_EVAL = DEMO_DIR / "eval.jsonl"  # builtin:demo-eval, the generation evaluation of jobs/configs/demo.yaml
 DEMO_TOKENIZER = DEMO_DIR / "tokenizer"
 
 # Assistant text is wrapped in {% generation %} so transformers can return the assistant-token mask.
@@ -94,6 +95,37 @@ def make_demo_preferences(n: int = 400, seed: int = 1) -> list[dict]:
     return records
 
 
+# The one question of the demo's 133 that its 1,200 training conversations never ask: the eval set holds it out.
+HELD_OUT = ("What is 2 plus 7?",)
+_EVAL_SUMS = [(2, 7), (3, 4), (0, 9), (5, 5), (8, 1), (6, 3), (9, 9)]
+
+
+def _answer(question: str) -> str:
+    """The demo's answer to one of its questions (the sentence _qa pairs with it)."""
+    for country, capital in _CAPITALS.items():
+        if question == f"What is the capital of {country}?":
+            return f"The capital of {country} is {capital}."
+    for word, opposite in _OPPOSITES.items():
+        if question == f"What is the opposite of {word}?":
+            return f"The opposite of {word} is {opposite}."
+    for thing, color in _COLORS.items():
+        if question == f"What color is {thing}?":
+            return f"{thing[0].upper() + thing[1:]} is {color}."
+    a, b = (int(w) for w in question.removeprefix("What is ").removesuffix("?").split(" plus "))
+    return f"{a} plus {b} is {a + b}."
+
+
+def make_demo_eval() -> list[dict]:
+    """40 of the demo's questions with the demo's answers (builtin:demo-eval): every capital, opposite and color
+    question, and 7 sums. All but HELD_OUT occur in the training conversations, so a trained demo model should
+    answer nearly all of them word for word; its untrained start, none."""
+    questions = ([f"What is the capital of {c}?" for c in _CAPITALS] + [f"What is the opposite of {w}?" for w in
+                 _OPPOSITES] + [f"What color is {t}?" for t in _COLORS] + [f"What is {a} plus {b}?" for a, b in
+                                                                           _EVAL_SUMS])
+    return [{"id": f"demo-eval-{i}", "prompt": q, "answer": _answer(q), "held_out": q in HELD_OUT}
+            for i, q in enumerate(questions)]
+
+
 def train_demo_tokenizer(texts: list[str], vocab_size: int = 512):
     """A byte-level BPE (so any text encodes) wrapped for transformers, with the demo chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -118,6 +150,11 @@ def write_demo_assets(out_dir: Path = DEMO_DIR) -> None:
     texts = [turn["value"] for record in records for turn in record["conversations"]]
     train_demo_tokenizer(texts).save_pretrained(out_dir / "tokenizer")
     (out_dir / "preferences.json").write_text(json.dumps(make_demo_preferences(), indent=1) + "\n")
+    write_demo_eval(out_dir)
+
+
+def write_demo_eval(out_dir: Path = DEMO_DIR) -> None:
+    (out_dir / DEMO_EVAL.name).write_text("".join(json.dumps(r) + "\n" for r in make_demo_eval()))
 
 
 if __name__ == "__main__":

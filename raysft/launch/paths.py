@@ -27,7 +27,7 @@ from raysft.storage import is_remote
 # builtin asset, a preset, a chat template's name, a remote URI, "" (a default). RUN_DEFINING_PATHS: those a run
 # records in raysft_run.json (raysft.launch.prelaunch).
 PATH_KEYS = ("model.path", "model.tokenizer", "model.config", "data.paths", "data.eval_paths", "data.chat_template",
-             "data.store_dir", "run.storage_path", "checkpoint.memory_dir")
+             "data.store_dir", "run.storage_path", "checkpoint.memory_dir", "eval.path")
 RUN_DEFINING_PATHS = ("model.path", "model.config", "model.tokenizer")
 FILE_SCHEME = "file://"
 
@@ -125,6 +125,8 @@ def _required(config: TrainConfig, data: bool) -> Iterator[tuple[str, str, str]]
             for i, (path, _) in enumerate(data_sources(entries, key)):
                 if names_a_path(key, path):
                     yield f"{key}[{i}]", path, "file or directory"
+        if names_a_path("eval.path", config.eval.path):  # read on the driver, and by the evaluation on its node
+            yield "eval.path", config.eval.path, "file"
 
 
 def _exists(path: str, kind: str) -> bool:

@@ -1,0 +1,168 @@
+"""One generation evaluation: a model (an HF directory, an export, or any raysft checkpoint) answers the eval set,
+each answer is scored, and the record and per-sample table are written.
+
+A checkpoint is evaluated as it stands wherever the engine can read it: a full checkpoint is an HF directory; a
+sharded one, a LoRA one (its adapters merged into the base: the model its checkpoint holds) or one on remote storage
+is exported to a temporary directory first (raysft.hf.export), so no user ever exports a checkpoint to evaluate it.
+`evaluate_checkpoint` keeps its record beside the checkpoint (raysft.checkpoint.gen_record) and does nothing when a
+record of the same evaluation (its key: the eval set's content and every setting) is already there: a relaunch, or
+Ray requeueing the validation of a checkpoint whose evaluation had finished, redoes nothing. A failure or a timeout
+is recorded too (failed.json), then raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from raysft.checkpoint import STATE_FILE, read_trainer_state
+from raysft.checkpoint.gen_record import (
+    GEN_PREFIX,
+    RECORD_FORMAT,
+    RESULT_FILE,
+    SAMPLES_FILE,
+    eval_dir,
+    read_result,
+    write_failure,
+    write_result,
+)
+from raysft.config import GenEvalConfig
+from raysft.evals.engines import EvalTimeout, open_engine, resolve_engine
+from raysft.evals.evalset import EvalSample, eval_set_sha256, read_eval_set
+from raysft.evals.scorers import score
+from raysft.hf.export import export
+from raysft.storage import Location, location
+
+
+def evaluation_key(settings: GenEvalConfig, system_prompt: str, engine: str) -> dict:
+    """What the generations and scores depend on besides the weights: an evaluation recorded under the same key is
+    not run again. Resources and the timeout change how it runs, not what it finds."""
+    generation = {k: v for k, v in asdict(settings).items() if k not in ("num_cpus", "num_gpus", "timeout_s",
+                                                                        "at_start", "engine", "batch_size")}
+    if engine == "vllm" or settings.temperature > 0:  # a greedy hf answer is its prompt's alone (no padding)
+        generation["batch_size"] = settings.batch_size  # vLLM's batching and a batch's seeded sampling are not
+    return {**generation, "path": eval_set_sha256(settings.path), "system_prompt": system_prompt, "engine": engine}
+
+
+def is_checkpoint(path: str | Path | Location) -> bool:
+    return (location(path) / STATE_FILE).is_file()
+
+
+@contextlib.contextmanager
+def model_directory(model: str | Path | Location, engine: str) -> Iterator[Path]:
+    """An HF model directory the engine reads: the model as it is, or a temporary export of a checkpoint. The hf
+    engine loads checkpoints itself as `raysft chat` does (a local full one in place, a sharded or LoRA one through
+    an export), so only a remote checkpoint is exported first for it."""
+    where = location(model)
+    lora = sharded = False
+    if is_checkpoint(where):
+        state = read_trainer_state(where)
+        lora, sharded = bool(state.get("lora")), state["mode"] == "sharded"
+    if where.local is not None and (engine == "hf" or not (lora or sharded)):
+        yield where.local
+        return
+    with tempfile.TemporaryDirectory(prefix="raysft-eval-") as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP read in one process
+        # vLLM serves bf16 whatever it reads: half the bytes; the hf engine keeps fp32, as `raysft chat` loads it
+        yield export(where, Path(tmp) / "model", merge=lora, dtype="bf16" if engine == "vllm" else "fp32")
+
+
+def evaluate(model: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",
+             engine: str | None = None, deadline: float | None = None,
+             samples: list[EvalSample] | None = None) -> tuple[dict, list[dict]]:
+    """Generate and score: the record (metrics gen/<scorer>, the key, timings) and the per-sample table's rows.
+    EvalTimeout once time.monotonic() passes `deadline`, checked between batches and once all are generated."""
+    started, start = time.time(), time.monotonic()
+    engine = engine or resolve_engine(settings)
+    samples = samples if samples is not None else read_eval_set(settings.path, settings.scorers, system_prompt,
+                                                                settings.max_samples)
+    pattern = re.compile(settings.answer_pattern) if settings.answer_pattern else None
+    with model_directory(model, engine) as model_dir:
+        answers = open_engine(engine, model_dir, settings).generate(samples, deadline)
+    rows, totals = [], dict.fromkeys(settings.scorers, 0.0)
+    for sample, answer in zip(samples, answers, strict=True):
+        scores = score(answer, sample.expected, settings.scorers, pattern)
+        for name, value in scores.items():
+            totals[name] += value
+        rows.append({"where": sample.where, **({"id": sample.id} if sample.id is not None else {}),
+                     "prompt": sample.prompt, "generation": answer, "expected": sample.expected, "scores": scores,
+                     "messages": sample.messages})
+    if deadline is not None and time.monotonic() > deadline:
+        raise EvalTimeout(f"eval.timeout_s={settings.timeout_s:g} passed after all {len(samples)} generations")
+    return {"metrics": {f"{GEN_PREFIX}{name}": total / len(samples) for name, total in totals.items()},
+            "samples": len(samples), "table": SAMPLES_FILE, "engine": engine, "started": started,
+            "finished": time.time(), "seconds": round(time.monotonic() - start, 3),
+            "key": evaluation_key(settings, system_prompt, engine)}, rows
+
+
+def write_table(out_dir: str | Path | Location, rows: list[dict]) -> Location:
+    """The per-sample table, one JSON line per sample: prompt, generation, expected answer, scores, conversation."""
+    table = location(out_dir) / SAMPLES_FILE
+    table.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return table
+
+
+def evaluate_checkpoint(ckpt: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",
+                        engine: str | None = None, timeout_s: float | None = None) -> tuple[dict, bool]:
+    """The checkpoint's evaluation record and whether it was made now (False: an equal one was recorded before).
+    A failure or timeout is recorded in eval/failed.json, naming what happened, then raised."""
+    engine = engine or resolve_engine(settings)
+    key = evaluation_key(settings, system_prompt, engine)
+    recorded = read_result(ckpt)
+    if recorded is not None and recorded["key"] == key:
+        return recorded, False
+    step = read_trainer_state(ckpt)["step"]
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else settings.timeout_s)
+    try:
+        record, rows = evaluate(ckpt, settings, system_prompt, engine, deadline)
+        if not is_checkpoint(ckpt):  # pruned meanwhile: no directory is made up for it
+            raise FileNotFoundError(f"{ckpt}: the checkpoint went away while it was evaluated")
+        write_table(eval_dir(ckpt), rows)
+    except Exception as e:
+        if not is_checkpoint(ckpt):
+            raise
+        kind = "timed_out" if isinstance(e, EvalTimeout) else "failed"
+        write_failure(ckpt, {"step": step, "checkpoint": location(ckpt).name, "kind": kind, "key": key,
+                             "reason": f"{type(e).__name__}: {e}", "finished": time.time()})
+        raise
+    record = {**record, "step": step, "checkpoint": location(ckpt).name}
+    write_result(ckpt, record)
+    return record, True
+
+
+def evaluate_model(model: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",
+                   out: str | Path | None = None) -> tuple[dict, Location, str | None]:
+    """`raysft eval`: (the record, its table, a note for the user). A checkpoint's evaluation goes beside it, as a
+    run's does, unless `out` is given or the checkpoint holds a record of another evaluation (another eval set or
+    settings: the run's record stays as it is); anything else, and those, into `out` (default
+    ./eval-<model directory's name>), with result.json beside the table."""
+    engine = resolve_engine(settings)
+    recorded = read_result(model) if is_checkpoint(model) else None
+    key = evaluation_key(settings, system_prompt, engine)
+    note = None
+    if is_checkpoint(model) and out is None and (recorded is None or recorded["key"] == key):
+        record, made = evaluate_checkpoint(model, settings, system_prompt, engine)
+        if not made:
+            note = (f"{model} was evaluated so before (same eval set and settings), at "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(record['finished']))}")
+        return record, eval_dir(model) / record["table"], note
+    where = location(out or Path.cwd() / f"eval-{location(model).name}")
+    if recorded is not None and out is None:
+        note = f"{model} holds the record of another evaluation (eval set or settings): this one goes to {where}"
+    record, rows = evaluate(model, settings, system_prompt, engine)
+    table = write_table(where, rows)
+    (where / RESULT_FILE).write_text(json.dumps({"format": RECORD_FORMAT, "model": str(model), **record}, indent=1))
+    return record, table, note
+
+
+def summary(record: dict) -> str:
+    """One line: each score, the samples, the time."""
+    scores = ", ".join(f"{k} {v:.3f}" for k, v in record["metrics"].items())
+    return f"{scores} ({record['samples']} samples, {record['engine']}, {record['seconds']:.1f} s)"
