@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import signal
@@ -16,10 +17,12 @@ from collections.abc import Callable
 import transformers
 
 import raysft
+from raysft.checkpoint import CHECKPOINT_PREFIX
 from raysft.checkpoint.retention import select_checkpoint
-from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.config import SCORERS, ConfigError, TrainConfig, best_mode, load_config
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
+from raysft.evals.runner import evaluate_model, is_checkpoint, summary
 from raysft.hf.export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import check_architecture
@@ -30,6 +33,7 @@ from raysft.tools.architectures import KNOWN, initial_weights_fallback, plan_arc
 from raysft.tools.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
 from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
 from raysft.tools.report import draw, read_curves
+from raysft.training.gen_log import gen_scores, score_line
 from raysft.training.metrics import METRICS_FILE, ProgressBar
 
 
@@ -88,6 +92,24 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--tokens", type=_positive(int), help="tokens of the largest micro-batch (default: "
                                                                "train.micro_batch_tokens, else micro_batch_size x "
                                                                "max_seq_len)")
+    p_eval = sub.add_parser("eval", help="generate answers to an eval set with a model or checkpoint, score them, and "
+                                         "print the scores and where the per-sample table went (docs/EVAL.md)")
+    p_eval.add_argument("model", help="HF model directory or export, a raysft checkpoint (full, sharded or LoRA), "
+                                      "or a run directory (--checkpoint)")
+    p_eval.add_argument("eval_set", help="JSONL of prompts with their expected answers (builtin:demo-eval: the demo's)")
+    p_eval.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
+                        help="in a run directory: which checkpoint (best: by --config's checkpoint.best_metric)")
+    p_eval.add_argument("--config", help="a run's YAML: its eval section and data.system_prompt (the flags below "
+                                         "override them)")
+    p_eval.add_argument("--scorers", help=f"comma-separated, of {', '.join(SCORERS)} (default: eval.scorers)")
+    p_eval.add_argument("--answer-pattern", help="the regex scorer's regular expression")
+    p_eval.add_argument("--max-new-tokens", type=_positive(int))
+    p_eval.add_argument("--temperature", type=float, help="0: greedy (the default), as raysft chat")
+    p_eval.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p_eval.add_argument("--max-samples", type=_positive(int), help="only the first N records")
+    p_eval.add_argument("--engine", choices=("auto", "hf", "vllm"))
+    p_eval.add_argument("--out", metavar="DIR", help="where samples.jsonl and result.json go (default: a checkpoint's "
+                                                     "eval/ directory, else ./eval-<model directory's name>)")
     p_report = sub.add_parser("report", help=f"plot a run's loss and tokens/s from its {METRICS_FILE}")
     p_report.add_argument("run_dir")
     p_report.add_argument("--out", metavar="FILE.png", help="where to write the plot (default: RUN_DIR/report.png)")
@@ -115,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args.model_dir, args.prompt, args.system, args.max_new_tokens)
         if args.command == "report":
             return _report(args.run_dir, args.out)
+        if args.command == "eval":
+            return _eval(args)
         # a relative path in the config means what it means here, where the command was typed (raysft.launch.paths)
         if args.command == "plan":  # --workers N is scaling.num_workers=N: every check of a launch applies to it
             workers = [f"scaling.num_workers={args.workers}"] if args.workers else []
@@ -170,6 +194,8 @@ def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str
     if result.checkpoint is None:
         raise RuntimeError(f"run {config.run.name} finished without a checkpoint in {config.run_dir}")
     print(f"raysft: run directory {result.path}\nraysft: latest checkpoint {result.checkpoint.path}")
+    if config.eval.path:
+        print(f"raysft: {score_line(gen_scores(config.run_dir), config.eval.path)}")
     if export_dir:
         with result.checkpoint.as_directory() as ckpt:
             out = export(ckpt, export_dir, overwrite=overwrite)
@@ -250,6 +276,30 @@ def _chat(model_dir: str, prompt: str | None, system: str | None, max_new_tokens
         print(conversation.ask(prompt))
     else:
         repl(conversation)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """`raysft eval`: the run's generation evaluation outside a run (raysft.evals.runner.evaluate_model)."""
+    sets = [f"eval.path={args.eval_set}"]
+    for flag, key in (("answer_pattern", "answer_pattern"), ("max_new_tokens", "max_new_tokens"),
+                      ("temperature", "temperature"), ("max_samples", "max_samples"), ("engine", "engine")):
+        if getattr(args, flag) is not None:
+            sets.append(f"eval.{key}={getattr(args, flag)}")
+    if args.scorers:
+        sets.append(f"eval.scorers=[{args.scorers}]")
+    if args.stop:
+        sets.append(f"eval.stop={json.dumps(args.stop)}")
+    config = resolve_paths(load_config(args.config, sets))
+    transformers.utils.logging.disable_progress_bar()
+    best = (config.checkpoint.best_metric, best_mode(config.checkpoint))
+    where = location(args.model)
+    run_or_checkpoint = is_checkpoint(where) or (where.is_dir() and bool(where.dirs(CHECKPOINT_PREFIX)))
+    model = select_checkpoint(args.model, args.checkpoint, best) if run_or_checkpoint else args.model
+    record, table, note = evaluate_model(model, config.eval, config.data.system_prompt, args.out)
+    if note:
+        print(f"raysft: {note}")
+    print(f"raysft: {model}: {summary(record)}\nraysft: per-sample table {table}")
     return 0
 
 

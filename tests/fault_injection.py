@@ -145,12 +145,12 @@ def _patch_trainer(module) -> None:
 def _patch_ray_worker(module) -> None:
     register_with_ray = module.register_with_ray
 
-    def exit_before_report(final, metrics):
+    def exit_before_report(final, metrics, *rest):
         params = _take("exit_before_report", once=False)
         if final is not None and params and final.name == f"checkpoint_{params['step']:08d}":
             _take("exit_before_report")
             os._exit(1)
-        return register_with_ray(final, metrics)
+        return register_with_ray(final, metrics, *rest)
 
     module.register_with_ray = exit_before_report
 

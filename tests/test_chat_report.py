@@ -32,7 +32,7 @@ def run(tmp_path_factory, gloo_pool):
 
     root = tmp_path_factory.mktemp("chat")
     common = ["data.max_seq_len=96", "checkpoint.every_n_steps=3", "checkpoint.keep=3", f"run.storage_path={root}",
-              "run.name=chat"]
+              "run.name=chat", "eval.path="]  # no generation evaluation: tests/test_gen_eval.py
     for extra in (["train.max_steps=6", "checkpoint.mode=full"], ["train.max_steps=9", "checkpoint.mode=sharded"]):
         gloo_pool.run(launch, load_config(REPO / "jobs" / "configs" / "demo.yaml", [*common, *extra]))
     run_dir = root / "chat"

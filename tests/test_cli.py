@@ -3,6 +3,7 @@
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
     code, terminal = on_a_terminal(
         "train", "jobs/configs/demo.yaml", "--set", "train.max_steps=6", "--set", "checkpoint.every_n_steps=3",
         "--set", "data.max_seq_len=96", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=cli",
+        "--set", "eval.max_samples=8",
         "--export", str(tmp_path / "hf"), "--prompt", "What is 2 plus 3?", env=env, stdout_file=tmp_path / "stdout")
     assert code == 0, terminal[-3000:]
     assert "\r\x1b[K" in terminal and "step 6/6" in terminal and "100%" in terminal and "| eta " in terminal
@@ -52,6 +54,11 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
     assert "raysft: checkpoint step=3 mode=" in stdout and "raysft: a local Ray of its own; its logs: " in stdout
     assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in stdout
     assert "assistant:" in stdout and (tmp_path / "hf" / "model.safetensors").is_file()
+    # make demo's closing line: the demo's eval set scored before training (the base, step 0) and after it, each
+    # evaluation a Ray task of its own beside the workers
+    assert re.search(r"raysft: generation eval \(builtin:demo-eval, 8 prompts\): step 0 \(the base\): "
+                     r"gen/exact_match 0\.000, gen/contains 0\.000 -> step 6: gen/exact_match \d\.\d{3}", stdout), \
+        stdout[-3000:]
 
     again = cli_in_process("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"))
     assert again.returncode == 0 and (tmp_path / "hf3" / "config.json").is_file(), again.stderr

@@ -358,3 +358,45 @@ def test_the_reference_is_keyed_on_content_and_a_relaunch_on_other_weights_is_re
     before = reference_file(store, dpo_config(tmp_path, "scratch", **{"model.config": config}))
     _copy_keeping_times(tmp_path / "rope", config.parent)
     assert reference_file(store, dpo_config(tmp_path, "scratch", **{"model.config": config})) != before
+
+
+def test_a_validated_dpo_run_reports_held_out_rewards_keeps_its_best_by_them_and_is_generation_evaluated(
+        tmp_path, gloo_pool):
+    """Validation pairs that are the training pairs (a copy) and a global batch of all of them: the eval after step
+    s sees the weights and pairs that step s + 1 trains on, so its loss and rewards are that step's (to rounding:
+    other micro-batches, other padding), with a reference of their own computed by the same pass. checkpoint.keep_best
+    ranks by eval/rewards/accuracies (here its lowest, best_mode min, so that the checkpoint it keeps is not the
+    newest), and the generation evaluation runs on the DPO run's checkpoints too."""
+    from raysft.data.demo import make_demo_preferences
+
+    pairs = make_demo_preferences()[:16]  # the same pairs in other files' bytes: two stores, two references
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    (tmp_path / "heldout.json").write_text(json.dumps(pairs))
+    (tmp_path / "gen.jsonl").write_text('{"prompt": "What is 2 plus 3?", "answer": "2 plus 3 is 5."}\n')
+    cfg = dpo_config(tmp_path, "validated", **{
+        "data.paths": f"[{tmp_path / 'train.jsonl'}]", "data.eval_paths": f"[{tmp_path / 'heldout.json'}]",
+        "train.global_batch_size": 16, "train.max_steps": 3, "train.eval_every_n_steps": 1, "train.lr": 1e-2,
+        "checkpoint.every_n_steps": 1, "checkpoint.keep_best": 1, "checkpoint.best_metric": "eval/rewards/accuracies",
+        "checkpoint.best_mode": "min",  # the worst ranker kept: not the newest, so ranking is what keeps it
+        "eval.path": str(tmp_path / "gen.jsonl"), "eval.max_new_tokens": 8})
+    gloo_pool.run(launch, cfg)
+    records = read_metrics(cfg.run_dir)
+    steps = {m["step"]: m for m in records if "loss" in m}
+    assert sorted(steps) == [1, 2, 3] and all(steps[s]["eval_pairs"] == 16 for s in steps)
+    for s in (1, 2):
+        evaluated, trained = steps[s], steps[s + 1]
+        assert evaluated["eval/rewards/accuracies"] == trained["rewards/accuracies"]
+        for name in ("rewards/margins", "rewards/chosen", "rewards/rejected"):
+            assert evaluated[f"eval/{name}"] == pytest.approx(trained[name], rel=1e-4, abs=1e-6), name
+        assert evaluated["eval_loss"] == pytest.approx(trained["loss"], rel=1e-5)
+    assert steps[2]["eval/rewards/margins"] != 0.0
+    passes = [m for m in records if m.get("event") == "reference_logps"]
+    assert len(passes) == 2 and passes[0]["file"] != passes[1]["file"]  # the training store's, the eval store's
+    accuracy = {s: steps[s]["eval/rewards/accuracies"] for s in steps}
+    best = min(accuracy, key=lambda s: (accuracy[s], -s))  # of equal ones, the newer
+    kept = sorted(int(p.name.split("_")[1]) for p in cfg.run_dir.glob("checkpoint_*"))
+    assert best != 3 and kept == [best, 3], accuracy
+    state = json.loads((cfg.run_dir / f"checkpoint_{best:08d}" / "trainer_state.json").read_text())
+    assert state["eval_metrics"]["eval/rewards/accuracies"] == accuracy[best]
+    generated = [m for m in records if m.get("event") == "gen_eval"]
+    assert [e["step"] for e in generated] == [1, 2, 3] and all("gen/exact_match" in e for e in generated)

@@ -28,7 +28,8 @@ LOCAL_SH = REPO / "cluster" / "local.sh"
 # The ray executable local.sh starts the nodes with; its directory goes first on the nodes' PATH.
 VENV_RAY = REPO / ".venv" / "bin" / "ray"
 RAY = VENV_RAY if VENV_RAY.is_file() else Path(shutil.which("ray") or "ray")
-DEMO = ["jobs/configs/demo.yaml", "--set", "checkpoint.every_n_steps=3", "--set", "data.max_seq_len=96"]
+DEMO = ["jobs/configs/demo.yaml", "--set", "checkpoint.every_n_steps=3", "--set", "data.max_seq_len=96", "--set",
+        "eval.path="]  # the demo's generation evaluation is tested in tests/test_cli.py and tests/test_train_ray.py
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray's CLI colours its output even into a pipe
 
 

@@ -5,6 +5,7 @@ however many reports were lost. The same faults through a real Ray: tests/test_f
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from raysft.checkpoint import STATE_FILE, checkpoint_dirs
 from raysft.checkpoint.manifest import durable_file_list, write_manifest
 from raysft.checkpoint.retention import unregistered
 from raysft.launch.ray_driver import ray_checkpoint_config
-from raysft.launch.ray_worker import recorded_metrics
+from raysft.launch.ray_worker import recorded_metrics, scored_by
 
 
 def saved(run_dir: Path, step: int, eval_loss: float | None = None, name: str | None = None) -> Path:
@@ -46,7 +47,7 @@ class RayRun:
 
     def register(self, ckpt: Path) -> None:
         report = _TrainingReport(checkpoint=Checkpoint(str(ckpt)), validation=False,
-                                 metrics=recorded_metrics(ckpt, self.cfg.checkpoint.keep_best > 0))
+                                 metrics=recorded_metrics(ckpt, scored_by(self.cfg)))
         asyncio.run(self._in_loop(lambda: self.manager.register_checkpoint(report)))
 
     def latest(self) -> str | None:
@@ -113,3 +114,32 @@ def test_keep_best_ranks_a_registered_lost_checkpoint_by_the_eval_loss_it_record
     run.register(saved(run.run_dir, 18, eval_loss=0.9))
     run.register(saved(run.run_dir, 24, eval_loss=0.95))
     assert run.on_disk() == run.tracked() == kept
+
+
+def test_keep_best_by_a_generation_score_ranks_by_what_validation_adds_and_never_prunes_a_pending_one(tmp_path):
+    """checkpoint.best_metric gen/exact_match against Ray's own checkpoint manager: raysft reports each checkpoint
+    with the score NaN and its validation pending (raysft.launch.ray_worker); Ray keeps every pending one, then
+    ranks each by the score its validation task returned (merged into its metrics), and one whose validation failed
+    last. The validation itself under a real Ray: tests/test_train_ray.py."""
+    from ray.train.v2.api.reported_checkpoint import ReportedCheckpointStatus
+
+    from raysft.launch.ray_worker import scored_metrics
+
+    run = RayRun(tmp_path, **{"checkpoint.keep_best": 1, "checkpoint.best_metric": "gen/exact_match",
+                              "eval.path": "eval.jsonl"})
+    reports = {}
+    for step in (2, 4, 6, 8):
+        metrics = scored_metrics({"step": step}, scored_by(run.cfg))
+        assert math.isnan(metrics["gen/exact_match"])
+        reports[step] = _TrainingReport(checkpoint=Checkpoint(str(saved(run.run_dir, step))), validation=True,
+                                        metrics=metrics)
+        asyncio.run(run._in_loop(lambda r=reports[step]: run.manager.register_checkpoint(r)))
+    assert run.on_disk() == [f"checkpoint_{s:08d}" for s in (2, 4, 6, 8)]  # all pending: none pruned
+    results = {2: ({"gen/exact_match": 0.5}, ReportedCheckpointStatus.VALIDATED),
+               4: ({"gen/exact_match": 0.9}, ReportedCheckpointStatus.VALIDATED),
+               6: ({}, ReportedCheckpointStatus.VALIDATION_FAILED),
+               8: ({"gen/exact_match": 0.1}, ReportedCheckpointStatus.VALIDATED)}
+    for step, result in results.items():
+        asyncio.run(run._in_loop(lambda s=step, r=result: run.manager.update_checkpoints_with_validation_result(
+            {reports[s].checkpoint: r})))
+    assert run.on_disk() == run.tracked() == ["checkpoint_00000004", "checkpoint_00000008"]  # the best, the latest

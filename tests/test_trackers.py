@@ -1,6 +1,7 @@
-"""metrics.trackers: TensorBoard, MLflow (a real `mlflow server` on loopback) and W&B (offline) get the run's steps
-and config from rank 0, and a resumed launch continues the same tracker run; each is read back with its own
-library's reader. No Ray: a pair of gloo processes runs the launches (raysft.run)."""
+"""metrics.trackers: TensorBoard, MLflow (a real `mlflow server` on loopback) and W&B (offline) get the run's steps,
+config and each checkpoint's generation evaluation (its scores and per-sample table) from rank 0, and a resumed
+launch continues the same tracker run; each is read back with its own library's reader. No Ray: a pair of gloo
+processes runs the launches (raysft.run)."""
 
 import json
 import os
@@ -17,6 +18,7 @@ from conftest import http_status, run_config, step_losses
 
 from raysft.config import ConfigError
 from raysft.launch.torchrun import launch
+from raysft.training.metrics import read_metrics
 from raysft.training.trackers import TRACKERS_FILE, check_trackers
 
 
@@ -92,8 +94,10 @@ def test_trackers_get_every_step_and_the_config_and_a_resume_continues_their_run
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "What is 2 plus 3?", "answer": "5"}\n')  # scored at each save
     sets = {"train.max_steps": 6, "metrics.trackers": "[tensorboard, mlflow, wandb]",
-            "metrics.mlflow_tracking_uri": mlflow_server}
+            "metrics.mlflow_tracking_uri": mlflow_server, "eval.path": str(tmp_path / "eval.jsonl"),
+            "eval.max_new_tokens": 4, "eval.scorers": "[contains]"}
     gloo_pool.run(launch_offline, run_config(tmp_path, "tracked", **sets, **{"train.stop_at_step": 4}))
     cfg = run_config(tmp_path, "tracked", **sets)
     gloo_pool.run(launch_offline, cfg)
@@ -105,6 +109,10 @@ def test_trackers_get_every_step_and_the_config_and_a_resume_continues_their_run
     board.Reload()
     assert {e.step: e.value for e in board.Scalars("loss")} == pytest.approx(losses, rel=1e-6)
     assert "config/text_summary" in board.Tags()["tensors"]
+    scored = {e["step"]: e["gen/contains"] for e in read_metrics(cfg.run_dir) if e.get("event") == "gen_eval"}
+    assert sorted(scored) == [3, 4, 6]  # each checkpoint's generation evaluation, logged once over both launches
+    assert {e.step: e.value for e in board.Scalars("gen/contains")} == scored
+    assert "gen/samples/text_summary" in board.Tags()["tensors"]  # the per-sample table, as Markdown
 
     client = MlflowClient(mlflow_server)
     runs = client.search_runs([client.get_experiment_by_name("raysft").experiment_id])
@@ -114,10 +122,15 @@ def test_trackers_get_every_step_and_the_config_and_a_resume_continues_their_run
     run = client.get_run(ids["mlflow"])
     assert run.data.params["train.max_steps"] == "6" and run.data.params["train.stop_at_step"] == "4"
     assert run.data.tags["changed_at_step_4.train.stop_at_step"] == "0" and run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "gen/contains")] == sorted(
+        scored.items())
+    tables = [a.path for d in client.list_artifacts(ids["mlflow"], "gen_eval")
+              for a in client.list_artifacts(ids["mlflow"], d.path)]
+    assert tables == [f"gen_eval/checkpoint_{s:08d}/samples.jsonl" for s in (3, 4, 6)]
 
     files = sorted((cfg.run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and all(f.name == f"run-{ids['wandb']}.wandb" for f in files)  # one run, two launches
-    logged, config = {}, {}
+    logged, config, gen = {}, {}, {}
     for f in files:
         for record in wandb_records(f):
             kind = record.WhichOneof("record_type")
@@ -125,9 +138,12 @@ def test_trackers_get_every_step_and_the_config_and_a_resume_continues_their_run
                 row = {_key(item): json.loads(item.value_json) for item in record.history.item}
                 if "loss" in row:
                     logged[row["_step"]] = row["loss"]
+                if "gen_step" in row:  # against the checkpoint's step, with the table beside
+                    gen[row["gen_step"]] = (row["gen/contains"], row["gen/samples/_type"], row["gen/samples/nrows"])
             elif kind == "config":
                 config.update({_key(u): json.loads(u.value_json) for u in record.config.update})
     assert logged == pytest.approx(losses, rel=1e-9)
+    assert gen == {step: (value, "table-file", 1) for step, value in scored.items()}  # a table of the 1 sample
     assert config["train.max_steps"] == "6" and config["run.name"] == "tracked"
 
 

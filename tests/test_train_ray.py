@@ -3,13 +3,15 @@ cluster too small. What needs no Ray (export, exact resume, packing) is in tests
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import cli_in_process, tiny_config
+from conftest import REPO, cli_in_process, tiny_config
 from safetensors.torch import load_file
 
 import raysft
+from raysft.checkpoint.gen_record import run_records
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import TrainConfig
 from raysft.data import prepare_store
@@ -62,13 +64,30 @@ def test_two_workers_lower_the_loss_and_resume_by_run_name(tmp_path):
     assert Path(result.checkpoint.path).name == "checkpoint_00000050"
 
 
-def test_ray_gets_the_eval_loss_with_each_checkpoint_and_keeps_the_best_and_the_latest(tmp_path):
+@pytest.fixture(scope="module")
+def validated_run(tmp_path_factory):
+    """One launch for the two tests of checkpoint scores under Ray (one Ray Train launch less in the suite): 6
+    steps, a checkpoint every 2 with its eval loss (data.eval_fraction) and its generation score (an eval section:
+    Ray's validation task), checkpoint.keep_best 1 by the eval loss. The second test launches it again."""
+    tmp = tmp_path_factory.mktemp("validated")
+    questions = [json.loads(line)["prompt"] for line in (REPO / "raysft/assets/demo/eval.jsonl").read_text()
+                 .splitlines()[::5]]
+    # What these 6 steps teach (train.lr 0.05): "................" at step 2, "TheTheThe..." at step 6; the regex
+    # scorer tells them apart (any score that differs would do: it is what ranks the checkpoints below)
+    eval_set = tmp / "eval.jsonl"
+    eval_set.write_text("".join(json.dumps({"prompt": q, "answer": "TheThe"}) + "\n" for q in questions))
+    sets = {"train.max_steps": 6, "checkpoint.every_n_steps": 2, "data.eval_fraction": 0.05, "checkpoint.keep_best": 1,
+            "train.lr": 0.05, "eval.path": str(eval_set), "eval.scorers": "[regex]",
+            "eval.answer_pattern": "'^(TheThe)'", "eval.max_new_tokens": 16}
+    result = raysft.train(tiny_config(tmp, **sets))
+    return SimpleNamespace(tmp=tmp, sets=sets, result=result, cfg=tiny_config(tmp, **sets))
+
+
+def test_ray_gets_the_eval_loss_with_each_checkpoint_and_keeps_the_best_and_the_latest(validated_run, tmp_path):
     """checkpoint.keep_best under Ray: Ray ranks the checkpoints by the eval_loss reported with them and prunes the
     run directory to the best and the latest, which is what raysft's own rule (and `export --checkpoint best`)
     reads from the checkpoints' trainer state."""
-    cfg = tiny_config(tmp_path, **{"train.max_steps": 6, "checkpoint.every_n_steps": 2, "data.eval_fraction": 0.05,
-                                   "checkpoint.keep_best": 1, "train.lr": 0.05})
-    result = raysft.train(cfg)
+    cfg, result = validated_run.cfg, validated_run.result
     evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
     assert sorted(evals) == [2, 4, 6] and result.metrics["eval_loss"] == evals[6]
     assert min(evals, key=evals.get) == 2, evals  # the first evaluation is the best: best and latest differ
@@ -81,6 +100,44 @@ def test_ray_gets_the_eval_loss_with_each_checkpoint_and_keeps_the_best_and_the_
         out = cli_in_process("export", str(cfg.run_dir), str(tmp_path / picked), "--checkpoint", picked)
         assert out.returncode == 0, out.stderr[-2000:]
         assert json.loads((tmp_path / picked / "raysft_export.json").read_text())["step"] == step
+
+
+def test_a_validation_task_scores_each_checkpoint_beside_training_a_relaunch_redoes_none_a_failure_goes_on(
+        validated_run):
+    """eval section under Ray: each checkpoint is scored by Ray's validation task on a CPU of its own while the
+    workers train on, and the scores join Ray's checkpoint metrics (how Ray's keep_best ranks by them:
+    tests/test_retention.py). Launched again, the run redoes no evaluation that finished, and its evaluations that
+    fail (vLLM asked for where it is not installed) are one event each, leave their checkpoints without a score,
+    and end nothing."""
+    cfg, result = validated_run.cfg, validated_run.result
+    records = {name: record for name, _, record in run_records(cfg.run_dir)}
+    scores = {r["step"]: r["metrics"]["gen/regex"] for r in records.values()}
+    assert sorted(scores) == [2, 4, 6]
+    logged = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "gen_eval"]
+    assert sorted(e["step"] for e in logged) == [2, 4, 6]
+    assert all(e["gen/regex"] == scores[e["step"]] for e in logged)
+    step_time = {m["step"]: m["time"] for m in read_metrics(cfg.run_dir) if "loss" in m}
+    for r in records.values():  # the workers trained on while a checkpoint was scored: never on the step path
+        assert r["step"] == 6 or step_time[r["step"] + 1] < r["finished"], (r["step"], step_time, r["finished"])
+    for _, metrics in result.best_checkpoints:  # Ray's view: each score joined its checkpoint's metrics
+        assert metrics["gen/regex"] == scores[metrics["step"]]
+
+    assert scores[2] < scores[6], scores  # the scorer tells these checkpoints apart
+
+    relaunch = tiny_config(validated_run.tmp, **{**validated_run.sets, "train.max_steps": 10, "eval.engine": "vllm",
+                                                  "eval.num_gpus": 1})
+    result = raysft.train(relaunch)
+    steps = [m["step"] for m in read_metrics(cfg.run_dir) if "loss" in m]
+    assert steps[-4:] == [7, 8, 9, 10]  # training went on past the failed evaluation of step 8
+    events = [m for m in read_metrics(cfg.run_dir) if m.get("event", "").startswith("gen_eval")]
+    assert sorted((e["event"], e["step"]) for e in events) == [
+        *[("gen_eval", s) for s in (2, 4, 6)], ("gen_eval_failed", 8), ("gen_eval_failed", 10)]
+    failed = [e for e in events if e["event"] == "gen_eval_failed"]
+    assert all("vLLM is not installed where the evaluation runs" in e["reason"] for e in failed)
+    again = {name: record for name, _, record in run_records(cfg.run_dir)}
+    assert all(again[name]["finished"] == record["finished"] for name, record in records.items())  # not redone
+    ray_view = {metrics["step"]: metrics for _, metrics in result.best_checkpoints}
+    assert "gen/regex" not in ray_view[10] and ray_view[10]["step"] == 10  # its failed evaluation added nothing
 
 
 def test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint(tmp_path):

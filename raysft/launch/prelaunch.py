@@ -23,6 +23,8 @@ from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.errors import ModelDirError, WeightsFileError
+from raysft.evals.engines import resolve_engine
+from raysft.evals.evalset import check_renders, read_eval_set
 from raysft.hf.fingerprint import changed_files, weights_fingerprint
 from raysft.launch.paths import check_paths, resolve_identity
 from raysft.model.attention import check_attention
@@ -57,6 +59,8 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     check_trackers(config)
     tokenizer = load_tokenizer(config.model, config.data.chat_template)
     check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
+    if config.eval.path:  # so is the eval set: a bad record is named before anything is written
+        check_eval_set(config, tokenizer)
     store = prepare_store(config.data, tokenizer, config.store_dir, objective=config.train.objective,
                           truncation_mode=config.dpo.truncation_mode,
                           before_writing=None if fresh else functools.partial(refuse_before_writing, config))
@@ -64,7 +68,8 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
           flush=True)
     eval_store = None
     if config.data.eval_paths or config.data.eval_fraction:
-        eval_store = prepare_store(config.data, tokenizer, config.store_dir, split="eval")
+        eval_store = prepare_store(config.data, tokenizer, config.store_dir, split="eval",
+                                   objective=config.train.objective, truncation_mode=config.dpo.truncation_mode)
         print(f"raysft: eval store {eval_store.path} ({eval_store.num_samples} samples"
               f"{', reused' if eval_store.reused else ''})", flush=True)
     check_batch(config, store.num_samples // 2 if config.train.objective == "dpo" else store.num_samples)
@@ -72,6 +77,17 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
     return Stores(store.path, eval_store.path if eval_store else None)
+
+
+def check_eval_set(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The generation evaluation's eval set, every record of it (raysft.evals.evalset), and its prompts rendered
+    with the chat template training uses: a bad record is a DataError naming the file and line now, not a failed
+    evaluation of every checkpoint."""
+    e = config.eval
+    samples = read_eval_set(e.path, e.scorers, config.data.system_prompt, e.max_samples)
+    check_renders(samples, tokenizer, e.path)
+    print(f"raysft: eval set {e.path} ({len(samples)} prompts; scorers {', '.join(e.scorers)}; engine "
+          f"{resolve_engine(e)})", flush=True)
 
 
 def check_model(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:

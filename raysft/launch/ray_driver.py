@@ -20,6 +20,8 @@ from ray.train import (
     RunConfig,
     ScalingConfig,
     UserCallback,
+    ValidationConfig,
+    ValidationTaskConfig,
 )
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -27,14 +29,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysft.checkpoint.discovery import read_run_id
 from raysft.checkpoint.memory import remove_run, resolve_memory_dir
 from raysft.config import ScalingConfig as RaysftScaling
-from raysft.config import TrainConfig
+from raysft.config import TrainConfig, best_mode
 from raysft.errors import CannotPlaceWorkers
+from raysft.evals.validation import RAY_GRACE_S, task_resources, validate_checkpoint, validation_kwargs
 from raysft.launch.lease import RunLease
 from raysft.launch.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_worker import (
-    EVAL_SCORE,
     clear_run_ending_records,
     recorded_run_ending,
     train_worker,
@@ -43,6 +45,7 @@ from raysft.launch.signals import DriverSignals, Stopped
 from raysft.parallel.collectives import process_group_backend
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.storage import Location, location
+from raysft.training.gen_log import log_remaining
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
 START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", 60.0
@@ -74,7 +77,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 
 
 def _fit(config: TrainConfig, stores: Stores) -> Result:
-    own_local_ray = connect_ray(config.scaling)
+    own_local_ray = connect_ray(config.scaling, config.eval.num_cpus if config.eval.path else 0.0)
     check_cluster_can_place(config.scaling)
     check_hsdp_shard_size_fits_nodes(config.parallel, config.scaling.num_workers, workers_per_node(config.scaling))
     s = config.scaling
@@ -101,12 +104,16 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             callbacks=[EndRunOnRecordedError(config.run_dir)],
             **_quiet_console(),
         ),
+        validation_config=gen_eval_validation(config),
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
     clear_run_ending_records(config.run_dir)
     signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: request_stop(stop_flag))
     try:
-        return signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
+        result = signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
+        if config.eval.path:  # fit returned once every evaluation ended: those after the workers', into the log
+            log_remaining(config)
+        return result
     except Stopped:
         if own_local_ray and config.checkpoint.memory_every_n_steps:
             ray.shutdown()  # its workers may still train (Ctrl-C): they end before their snapshots are removed
@@ -208,17 +215,32 @@ class StopFlag:
 
 def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
     """Ray's retention, the same as raysft's own without Ray (checkpoint.retention): checkpoint.keep latest, or with
-    checkpoint.keep_best the N of lowest eval_loss (Ray's checkpoint_score_attribute) plus the latest."""
-    if config.checkpoint.keep_best:
-        return CheckpointConfig(num_to_keep=config.checkpoint.keep_best, checkpoint_score_attribute=EVAL_SCORE,
-                                checkpoint_score_order="min")
-    return CheckpointConfig(num_to_keep=config.checkpoint.keep)
+    checkpoint.keep_best the N best by checkpoint.best_metric (Ray's checkpoint_score_attribute) plus the latest.
+    Ray never prunes a checkpoint whose validation (the generation evaluation) is still pending."""
+    c = config.checkpoint
+    if c.keep_best:
+        return CheckpointConfig(num_to_keep=c.keep_best, checkpoint_score_attribute=c.best_metric,
+                                checkpoint_score_order=best_mode(c))
+    return CheckpointConfig(num_to_keep=c.keep)
 
 
-def connect_ray(scaling: RaysftScaling) -> LocalRay | None:
+def gen_eval_validation(config: TrainConfig) -> ValidationConfig | None:
+    """With an eval section, Ray Train's validation (raysft.evals.validation): a task of its own per reported
+    checkpoint, on eval.num_cpus / eval.num_gpus, its metrics joining the checkpoint's. Its timeout is Ray's last
+    resort, RAY_GRACE_S after the evaluation's own (which records the timeout before it gives up)."""
+    if not config.eval.path:
+        return None
+    return ValidationConfig(validate_checkpoint,
+                            task_config=ValidationTaskConfig(fn_kwargs=validation_kwargs(config),
+                                                             timeout_s=config.eval.timeout_s + RAY_GRACE_S),
+                            ray_remote_kwargs=task_resources(config))
+
+
+def connect_ray(scaling: RaysftScaling, eval_cpus: float = 0.0) -> LocalRay | None:
     """Join the cluster in RAY_ADDRESS, or start a local Ray of our own (never another one found on this machine)
-    with just enough logical CPUs for the workers; the one it started, if it did."""
-    local = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker))
+    with just enough logical CPUs for the workers, and for the generation evaluation's task (`eval_cpus`) beside
+    them, so that it runs while they train; the one it started, if it did."""
+    local = connect(num_cpus=math.ceil(scaling.num_workers * scaling.cpus_per_worker + eval_cpus))
     if local:
         print(f"raysft: a local Ray of its own; its logs: {local.logs}", flush=True)
         if local.linked_from:

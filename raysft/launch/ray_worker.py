@@ -31,6 +31,7 @@ from raysft.checkpoint import (
     existing_checkpoint_names,
     scratch_root,
 )
+from raysft.checkpoint.gen_record import recorded_metric
 from raysft.checkpoint.retention import eval_loss, unregistered
 from raysft.config import TrainConfig, config_from_dict
 from raysft.errors import ends_the_run, run_ending_type
@@ -40,7 +41,6 @@ from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
 RUN_ENDING_PREFIX = "raysft_error."  # <run dir>/raysft_error.<rank>.json: the error a rank met that ends the run
-EVAL_SCORE = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by
 
 
 def train_worker(loop_config: dict) -> None:
@@ -164,56 +164,71 @@ def ray_preemption_deadline() -> float | None:
 def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
     """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes: ray_checkpoint_config);
     on remote storage, Ray's upload from node-local scratch."""
-    scored = cfg.checkpoint.keep_best > 0
+    score, validate = scored_by(cfg), bool(cfg.eval.path)
     if isinstance(cfg.run_dir, Path):
         return DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report,
-                             on_commit=lambda final, metrics: register_with_ray(final, scored_metrics(metrics, scored)))
-    return ScratchSink(lambda metrics, ckpt, step: ray_report(scored_metrics(metrics, ckpt is not None and scored),
-                                                               ckpt, step, taken),
+                             on_commit=lambda final, metrics: register_with_ray(final, scored_metrics(metrics, score),
+                                                                                validate))
+    return ScratchSink(lambda metrics, ckpt, step: ray_report(scored_metrics(metrics, score if ckpt else None),
+                                                               ckpt, step, taken, validate),
                        scratch_root(cfg.run.name, cfg.run_dir))
 
 
-def scored_metrics(metrics: dict, scored: bool) -> dict:
-    """With checkpoint.keep_best, a checkpoint that was not validated (a preemption's) gets eval_loss NaN, which
-    Ray ranks last, instead of Ray logging an error for the missing score."""
-    return {**metrics, EVAL_SCORE: math.nan} if scored and EVAL_SCORE not in metrics else metrics
+def scored_by(cfg: TrainConfig) -> str | None:
+    """What Ray ranks checkpoints by (checkpoint.best_metric), with checkpoint.keep_best; else None."""
+    return cfg.checkpoint.best_metric if cfg.checkpoint.keep_best else None
 
 
-def register_with_ray(final: Path | None, metrics: dict) -> None:
-    """Every rank reports (a barrier); rank 0 names the checkpoint, already complete in the run directory."""
+def scored_metrics(metrics: dict, score: str | None) -> dict:
+    """With checkpoint.keep_best, a checkpoint reported without its score (one not validated, a preemption's; every
+    one when the score is a generation evaluation's, which Ray's validation task adds later) gets the score NaN,
+    which Ray ranks last, instead of Ray logging an error for the missing score. A failed evaluation leaves it so."""
+    return {**metrics, score: math.nan} if score and score not in metrics else metrics
+
+
+def register_with_ray(final: Path | None, metrics: dict, validate: bool = False) -> None:
+    """Every rank reports (a barrier); rank 0 names the checkpoint, already complete in the run directory, and with
+    `validate` (an eval section) asks for its generation evaluation: Ray's validation task (ray_driver)."""
     checkpoint = None
     if final is not None:
         checkpoint = Checkpoint(str(final), filesystem=ray.train.get_context().get_storage().storage_filesystem)
-    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+                     validation=validate and checkpoint is not None)
 
 
 def register_lost_checkpoints(cfg: TrainConfig, resume_dir: Path | None, rank: int) -> None:
     """Collective: register with Ray, in order, the complete checkpoints whose reports died with a worker, the one
     resumed from last (checkpoint.retention.unregistered), so that Ray, the one deleter under Ray, prunes them
-    too. Each with the step and eval loss recorded in it."""
+    too. Each with the step, eval loss and score recorded with it, and its generation evaluation asked for (a
+    recorded one is returned at once: raysft.evals.runner)."""
     latest = ray.train.get_checkpoint()
 
     def lost() -> list[tuple[str, dict]]:
         found = unregistered(cfg.run_dir, resume_dir, Path(latest.path).name if latest else None)
-        return [(location(c).path, recorded_metrics(c, cfg.checkpoint.keep_best > 0)) for c in found]
+        return [(location(c).path, recorded_metrics(c, scored_by(cfg))) for c in found]
 
     storage = ray.train.get_context().get_storage().storage_filesystem
     for path, metrics in from_rank0(lost):
         checkpoint = Checkpoint(path, filesystem=storage) if rank == 0 else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+                         validation=bool(cfg.eval.path) and checkpoint is not None)
 
 
-def recorded_metrics(ckpt, scored: bool) -> dict:
-    """The step and eval loss a checkpoint's trainer_state.json records, as its commit reported them."""
+def recorded_metrics(ckpt, score: str | None) -> dict:
+    """The step, eval loss and score (checkpoint.best_metric) recorded with a checkpoint, as its commit and its
+    evaluation reported them."""
     metrics = {"step": json.loads((location(ckpt) / STATE_FILE).read_text())["step"]}
     if (loss := eval_loss(ckpt)) is not None:
-        metrics[EVAL_SCORE] = loss
-    return scored_metrics(metrics, scored)
+        metrics["eval_loss"] = loss
+    if score and (value := recorded_metric(ckpt, score)) is not None:
+        metrics[score] = value
+    return scored_metrics(metrics, score)
 
 
-def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset()) -> None:
+def ray_report(metrics: dict, checkpoint_dir: Path | None, step: int, taken: frozenset[str] = frozenset(),
+               validate: bool = False) -> None:
     if checkpoint_dir is None:
         ray.train.report(metrics)
     else:
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
-                         checkpoint_dir_name=checkpoint_name(step, taken))
+                         checkpoint_dir_name=checkpoint_name(step, taken), validation=validate)

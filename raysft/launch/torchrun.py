@@ -26,8 +26,9 @@ import torch.distributed as dist
 from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
 from raysft.checkpoint.discovery import RUN_FILE, read_run_id
 from raysft.checkpoint.memory import remove_run
-from raysft.config import ConfigError, TrainConfig, load_config
+from raysft.config import ConfigError, TrainConfig, best_mode, load_config
 from raysft.errors import RunInUse, ends_the_run, run_ending_type
+from raysft.evals.validation import EvaluatingSink
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
@@ -205,14 +206,18 @@ def train(config: TrainConfig, stores: Stores, ctx: WorkerContext,
 
 def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext,
                 stop_requested: Callable[[], bool] = lambda: False) -> Trainer:
-    """Collective: the Trainer of this launch, resuming, with the sink for the run's storage."""
+    """Collective: the Trainer of this launch, resuming, with the sink for the run's storage; with an eval section,
+    each committed checkpoint is evaluated in-process, blocking training (raysft.evals.validation.EvaluatingSink)."""
     taken = existing_checkpoint_names(config.run_dir)
+    c = config.checkpoint
+    best = (c.best_metric, best_mode(c))
     if isinstance(config.run_dir, Path):
-        sink = DirectorySink(config.run_dir, ctx.rank, keep=config.checkpoint.keep, taken=taken,
-                             keep_best=config.checkpoint.keep_best)
+        sink = DirectorySink(config.run_dir, ctx.rank, keep=c.keep, taken=taken, keep_best=c.keep_best, best=best)
     else:
         scratch = scratch_root(config.run.name, config.run_dir)
-        sink = UploadSink(config.run_dir, ctx.rank, config.checkpoint.keep, scratch, taken, config.checkpoint.keep_best)
+        sink = UploadSink(config.run_dir, ctx.rank, c.keep, scratch, taken, c.keep_best, best)
+    if config.eval.path:
+        sink = EvaluatingSink(sink, config, ctx.rank, stop_requested)
     return resume_trainer(config, stores.train, ctx, sink, eval_store=stores.eval, stop_requested=stop_requested)
 
 

@@ -29,13 +29,25 @@ class RunCurves:
         speeds = [r["tokens_per_s"] for r in rows if _number(r.get("tokens_per_s"))]
         evals = self.eval_losses()
         best = f", best eval loss {min(evals.values()):.4f} (step {min(evals, key=evals.get)})" if evals else ""
-        return (f"{len(rows)} steps (last {rows[-1]['step']}), final loss {rows[-1]['loss']:.4f}{best}, "
+        gen = "".join(f", {name} {max(s.items())[1]:.3f} (step {max(s)})" for name, s in self.gen_scores().items())
+        return (f"{len(rows)} steps (last {rows[-1]['step']}), final loss {rows[-1]['loss']:.4f}{best}{gen}, "
                 f"median {statistics.median(speeds) if speeds else float('nan'):.0f} tokens/s, "
                 f"checkpoints {checkpoints}, resumes {resumes}")
 
     def eval_losses(self) -> dict[int, float]:
         """step -> eval loss, at the steps that were validated."""
         return {s: r["eval_loss"] for s, r in self.steps.items() if _number(r.get("eval_loss"))}
+
+    def gen_scores(self) -> dict[str, dict[int, float]]:
+        """gen/<scorer> -> {checkpoint step: score}: the generation evaluations (gen_eval events), the later one of
+        a step evaluated twice."""
+        scores: dict[str, dict[int, float]] = {}
+        for e in self.events:
+            if e["event"] == "gen_eval" and isinstance(e.get("step"), int):
+                for name, value in e.items():
+                    if name.startswith("gen/") and _number(value):
+                        scores.setdefault(name, {})[e["step"]] = value
+        return {name: dict(sorted(s.items())) for name, s in scores.items()}
 
 
 def read_curves(run_dir: str | os.PathLike) -> RunCurves:
@@ -76,8 +88,8 @@ def _number(value: object) -> bool:
 
 
 def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
-    """Loss (top: training, and eval loss where validated) and tokens/s (bottom) against step; dashed red lines at
-    resumes, dotted grey at checkpoints."""
+    """Loss (top: training, and eval loss where validated; the generation scores gen/<scorer> on a second axis)
+    and tokens/s (bottom) against step; dashed red lines at resumes, dotted grey at checkpoints."""
     try:
         from matplotlib.figure import Figure  # a bare Figure renders with Agg: no pyplot, no display needed
     except ImportError as e:
@@ -92,6 +104,14 @@ def draw(curves: RunCurves, out: str | os.PathLike) -> Path:
         loss_ax.plot(list(evals), list(evals.values()), color="tab:orange", marker="o", markersize=3,
                      label="eval loss")
     loss_ax.set_ylabel("loss")
+    gen = curves.gen_scores()
+    if gen:  # the generation scores, 0 to 1, on an axis of their own beside the loss
+        gen_ax = loss_ax.twinx()
+        for name, scores in gen.items():
+            gen_ax.plot(list(scores), list(scores.values()), marker="s", markersize=4, linestyle="-", label=name)
+        gen_ax.set_ylim(-0.02, 1.02)
+        gen_ax.set_ylabel("generation score")
+        gen_ax.legend(loc="center right", fontsize=8)
     speed_ax.plot(steps, [r.get("tokens_per_s", math.nan) for r in curves.steps.values()], color="tab:green")
     speed_ax.set_ylabel("tokens/s")
     speed_ax.set_xlabel("step")

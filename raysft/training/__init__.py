@@ -5,6 +5,8 @@ Modules, by role:
   optim        AdamW, the learning-rate schedule, the fp16 loss scaler
   step_guard   whether a step may change the model (non-finite or spiking loss or gradient norm)
   evaluation   the loss over the eval store, on every worker, without gradients
+  preference_eval  a DPO run's validation: the objective and implicit rewards on held-out pairs
+  gen_log      the generation evaluations recorded beside the checkpoints, into metrics.jsonl and the trackers
   preference   one DPO step's forward and backward over a global batch of pairs (train.objective dpo)
   reference    the DPO reference log-probabilities: one pass of the starting model, stored beside the store
   metrics      rank 0's per-step metrics.jsonl and progress line

@@ -2,10 +2,12 @@
 optional extra imported only when configured: TensorBoard (`raysft[tensorboard]`), MLflow (`raysft[mlflow]`),
 Weights & Biases (`raysft[wandb]`).
 
-Every backend is the same tiny interface, `Tracker`: `log(step, values)` and `close()`. The run's config goes in as
-parameters when a backend opens. A run is one tracker run across all its launches: the id each backend got is kept
-in `<run>/raysft_trackers.json` and reopened by a resumed launch, which continues that run instead of starting
-another (TensorBoard: the same log directory, the steps trained again after the checkpoint purged).
+Every backend is the same tiny interface, `Tracker`: `log(step, values)`, `log_eval(...)` (a generation evaluation's
+scores at its checkpoint's step, and its per-sample table: a TensorBoard text, an MLflow artifact, a W&B table) and
+`close()`. The run's config goes in as parameters when a backend opens. A run is one tracker run across all its
+launches: the id each backend got is kept in `<run>/raysft_trackers.json` and reopened by a resumed launch, which
+continues that run instead of starting another (TensorBoard: the same log directory, the steps trained again after
+the checkpoint purged).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ class Tracker(Protocol):
     """What reopens this tracker run in a resumed launch (kept in TRACKERS_FILE)."""
 
     def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def log_eval(self, step: int, values: dict[str, float], rows: list[dict], table: Path, checkpoint: str) -> None:
+        """A generation evaluation of the checkpoint of `step`: its scores, the first rows of its per-sample table
+        and the table's file (raysft.training.gen_log)."""
 
     def close(self) -> None: ...
 
@@ -80,6 +86,10 @@ class Trackers:
         for backend in self.backends:
             backend.log(step, values)
 
+    def log_eval(self, step: int, values: dict[str, float], rows: list[dict], table: Path, checkpoint: str) -> None:
+        for backend in self.backends:
+            backend.log_eval(step, values, rows, table, checkpoint)
+
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
@@ -103,6 +113,10 @@ class TensorBoardTracker:
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
+
+    def log_eval(self, step: int, values: dict[str, float], rows: list[dict], table: Path, checkpoint: str) -> None:
+        self.writer.add_text("gen/samples", f"{checkpoint}: `{table}`\n\n{markdown_table(rows)}", global_step=step)
+        self.log(step, values)
 
     def close(self) -> None:
         self.writer.close()
@@ -147,6 +161,10 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
 
+    def log_eval(self, step: int, values: dict[str, float], rows: list[dict], table: Path, checkpoint: str) -> None:
+        self.log(step, values)
+        self.client.log_artifact(self.run_id, str(table), artifact_path=f"gen_eval/{checkpoint}")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -164,12 +182,38 @@ class WandbTracker:
                               reinit="create_new")
         self.run.config.update(flat_config(cfg), allow_val_change=True)
         self.run_id = self.run.id
+        # a generation evaluation ends after later steps were logged, and W&B refuses a step lower than its last:
+        # the gen/ metrics are plotted against a step of their own, the checkpoint's
+        self.run.define_metric(GEN_STEP)
+        self.run.define_metric("gen/*", step_metric=GEN_STEP)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
+
+    def log_eval(self, step: int, values: dict[str, float], rows: list[dict], table: Path, checkpoint: str) -> None:
+        import wandb
+
+        samples = wandb.Table(columns=list(TABLE_COLUMNS), data=[[_cell(r, c) for c in TABLE_COLUMNS] for r in rows])
+        self.run.log({**values, GEN_STEP: step, "gen/samples": samples})
 
     def close(self) -> None:
         self.run.finish()
 
 
 BACKENDS = {"tensorboard": TensorBoardTracker, "mlflow": MlflowTracker, "wandb": WandbTracker}
+GEN_STEP = "gen_step"  # W&B's step of the gen/ metrics: the evaluated checkpoint's training step
+TABLE_COLUMNS = ("prompt", "generation", "expected", "scores")
+
+
+def _cell(row: dict, column: str) -> str:
+    value = row.get(column, "")
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The per-sample table's rows as Markdown (TensorBoard renders text summaries as Markdown)."""
+    def cell(row: dict, column: str) -> str:
+        return _cell(row, column).replace("|", "\\|").replace("\n", " ")
+
+    lines = [f"| {' | '.join(TABLE_COLUMNS)} |", f"|{'---|' * len(TABLE_COLUMNS)}"]
+    return "\n".join(lines + [f"| {' | '.join(cell(r, c) for c in TABLE_COLUMNS)} |" for r in rows])

@@ -44,6 +44,7 @@ from raysft.parallel.fsdp import parallelize
 from raysft.parallel.layout import ParallelDims, gather_node_ranks
 from raysft.parallel.sequence import model_batch
 from raysft.training.evaluation import Evaluator
+from raysft.training.gen_log import GenEvalLog
 from raysft.training.metrics import (
     MetricsLogger,
     StepTotals,
@@ -54,6 +55,7 @@ from raysft.training.metrics import (
 )
 from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
 from raysft.training.preference import PreferenceStep
+from raysft.training.preference_eval import PreferenceEvaluator
 from raysft.training.reference import compute_reference, read_reference, reference_file, write_reference
 from raysft.training.step_guard import StepGuard
 
@@ -145,9 +147,11 @@ class Trainer:
         snapshot = self.memory.find(step_of(resume_dir) if resume_dir else None, self.dims) if self.memory else None
         resuming = resume_dir is not None or snapshot is not None
         reference = reference_file(store, cfg) if dpo and not cfg.model.lora.r else None
+        eval_reference = reference_file(eval_store, cfg) if dpo and eval_store and not cfg.model.lora.r else None
         # the reference pass needs the starting weights, also on a resume that finds no reference file
         missing_reference = reference is not None and not all_ranks(reference.is_file())
-        if not resuming or cfg.model.lora.r or missing_reference:  # a LoRA checkpoint holds the adapters
+        missing_eval_reference = eval_reference is not None and not all_ranks(eval_reference.is_file())
+        if not resuming or cfg.model.lora.r or missing_reference or missing_eval_reference:  # LoRA: adapters only
             fallback = load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             if fallback:  # pretrained weights through rank 0's memory: say why, where the run's events are
                 self.log.event("weights_from_rank0", path=cfg.model.path, reason=fallback)
@@ -156,6 +160,8 @@ class Trainer:
             self.preference = PreferenceStep(cfg, self.dataset, self._reference(reference, missing_reference),
                                              self.shard.dp_rank, self.shard.dp_size, ctx.device,
                                              self.tokenizer.pad_token_id)
+        eval_logps = self._reference(eval_reference, missing_eval_reference, TokenizedDataset(eval_store)) \
+            if eval_reference else None  # before a checkpoint replaces the starting weights
         if snapshot is not None:
             self.state, held = self.memory.restore(snapshot)
             self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in held]
@@ -167,19 +173,29 @@ class Trainer:
             self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
             self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
         self.log.open_trackers(cfg, self.state.step if resuming else None)
-        self.evaluator = Evaluator(eval_store, cfg, self.shard, ctx.device,
-                                   self.tokenizer.pad_token_id) if eval_store else None
+        self.evaluator = None
+        if eval_store and dpo:
+            self.evaluator = PreferenceEvaluator(eval_store, cfg, eval_logps, self.shard.dp_rank, self.shard.dp_size,
+                                                 ctx.device, self.tokenizer.pad_token_id)
+        elif eval_store:
+            self.evaluator = Evaluator(eval_store, cfg, self.shard, ctx.device, self.tokenizer.pad_token_id)
+        # rank 0 logs the generation evaluations of the checkpoints as they end (raysft.training.gen_log)
+        self.gen_log = GenEvalLog(cfg.run_dir, self.log) if cfg.eval.path and ctx.rank == 0 else None
+        self.fresh = not resuming
         num_samples = self.preference.num_pairs if self.preference else len(self.dataset)
         self.sampler = GlobalBatchSampler(num_samples, t.global_batch_size, self.state.cursor)
 
-    def _reference(self, path: Path | None, missing: bool) -> torch.Tensor | None:
-        """Collective when `missing`: the reference log-probabilities of every store row, computed by a pass of the
-        starting model and written beside the store; else read from there (None with LoRA: adapters off)."""
+    def _reference(self, path: Path | None, missing: bool,
+                   dataset: TokenizedDataset | None = None) -> torch.Tensor | None:
+        """Collective when `missing`: the reference log-probabilities of every row of the store (the training one, or
+        `dataset`'s), computed by a pass of the starting model and written beside the store; else read from there
+        (None with LoRA: adapters off)."""
         if path is None:
             return None
+        dataset = dataset or self.dataset
         if missing:
             start = time.perf_counter()
-            logps = compute_reference(self.model, self.dataset, self.cfg, self.ctx.rank, self.ctx.world_size,
+            logps = compute_reference(self.model, dataset, self.cfg, self.ctx.rank, self.ctx.world_size,
                                       self.ctx.device, self.tokenizer.pad_token_id)
             if self.ctx.rank == 0:
                 write_reference(path, logps, path.parent.parent, self.cfg)
@@ -188,7 +204,7 @@ class Trainer:
                            seconds=round(time.perf_counter() - start, 3))
             return logps
         self.log.event("reference_logps", file=str(path), reused=True)
-        return read_reference(path, len(self.dataset))
+        return read_reference(path, len(dataset))
 
     def _memory_tier(self) -> MemoryTier:
         """Collective: the memory tier of this run on this worker's node (raysft.checkpoint.memory)."""
@@ -203,6 +219,8 @@ class Trainer:
         metrics: dict = {}
         stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
         self.checkpointer.start_notice_checks(self.state.step)
+        if self.cfg.eval.path and self.cfg.eval.at_start and self.fresh:  # the base, evaluated as every checkpoint
+            self.checkpointer.save(self.state, {})
         while self.state.step < stop:
             step_start = time.perf_counter()
             self.train_step(reduce_metrics=False)
@@ -219,6 +237,7 @@ class Trainer:
             if due.save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
                 metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
+            self.state.eval_metrics = {k: v for k, v in metrics.items() if k.startswith("eval/")} if evaluate else None
             if due.save:
                 self.checkpointer.save(self.state, metrics, urgent=due.urgent)
             elif report:
@@ -229,12 +248,16 @@ class Trainer:
                 self.log.event("stopped", step=step, reason="SIGTERM", hint="launch again to continue")
                 break
             self.checkpointer.poll(step)
+            if self.gen_log is not None:
+                self.gen_log.poll()
         self.checkpointer.finish(self.state.step)
         if self.memory is not None:  # ended by the launch itself: the stored checkpoint is the newest
             self.memory.close(remove=True)
         if self.state.step < t.max_steps and not self.stopped:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
+        if self.gen_log is not None:  # what ended by now (under torchrun: every evaluation of this launch)
+            self.gen_log.poll(now=True)
         self.log.close()
         return {**metrics, "step": self.state.step}
 

@@ -1,0 +1,351 @@
+"""Generation evaluation without Ray: the scorers on edge cases, the eval set and its refusals, the config's checks,
+the Hugging Face engine against `raysft chat`, the torchrun launch's in-process evaluation of every checkpoint (a
+sharded LoRA run), `raysft eval` on that checkpoint and on its export, a timed-out evaluation that leaves training
+running, retention by a generation score, and the log of the records. Under Ray: tests/test_train_ray.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_in_process, tiny_config
+
+from raysft.checkpoint import STATE_FILE
+from raysft.checkpoint.gen_record import read_failure, read_result, recorded_metric, write_failure, write_result
+from raysft.checkpoint.manifest import durable_file_list, write_manifest
+from raysft.checkpoint.retention import select_checkpoint, to_prune
+from raysft.config import ConfigError, GenEvalConfig, ModelConfig, best_mode
+from raysft.data.demo import DEMO_CONVERSATIONS, HELD_OUT
+from raysft.data.tokenizer import load_tokenizer
+from raysft.errors import DataError
+from raysft.evals.engines import EvalTimeout, HfEngine, cut_at_stop
+from raysft.evals.evalset import check_renders, read_eval_set
+from raysft.evals.scorers import check_expected, score
+from raysft.hf.export import export
+from raysft.launch.torchrun import launch
+from raysft.tools.chat import ChatModel
+from raysft.tools.report import read_curves
+from raysft.training.gen_log import GenEvalLog, score_line
+from raysft.training.metrics import MetricsLogger, read_metrics
+
+
+@pytest.mark.parametrize(("scorer", "generation", "expected", "value"), [
+    ("exact_match", "The capital of France is Paris.", "the capital of france is paris", 1.0),
+    ("exact_match", "Paris", "The capital of France is Paris.", 0.0),
+    ("exact_match", "A cat!", "cat", 1.0),  # SQuAD's normalization: articles and punctuation go
+    ("exact_match", "Ｐａｒｉｓ", "Paris", 1.0),  # NFKC: full-width letters are the plain ones
+    ("exact_match", "1,234", "1234", 1.0),
+    ("contains", "I think it is 4.", "4", 1.0),
+    ("contains", "14 apples", "4", 0.0),  # whole words only
+    ("contains", "", "4", 0.0),
+    ("choice", "B", "B", 1.0),
+    ("choice", "(C) because it is", "C", 1.0),
+    ("choice", "The answer is D.", "d", 1.0),
+    ("choice", "B) seven", "(B)", 1.0),
+    ("choice", "A cat sat on the mat", "A", 0.0),  # an article opening the text is no answer
+    ("choice", "The answer is a cat", "A", 0.0),
+    ("number", "#### 1,234", "1234", 1.0),
+    ("number", "3 + 4 = 7 apples\n#### 7", "48 / 2 = 24 clips ... #### 72", 0.0),  # GSM8K: after ####
+    ("number", "The answer is 42.0, not 41", "42", 1.0),  # after "answer is", the first number
+    ("number", "She pays $5.", "5", 1.0),
+    ("number", "5-3=2", "2", 1.0),  # the last number; "-3" here is no negative number
+    ("number", "It is -3 degrees", "-3", 1.0),
+    ("number", "version x2", "2", 0.0),  # glued to a word: no number
+    ("number", "no number here", "7", 0.0),
+])
+def test_scorers_on_edge_cases(scorer, generation, expected, value):
+    assert score(generation, expected, [scorer]) == {scorer: value}
+
+
+def test_regex_compares_the_patterns_group_or_whole_match_with_the_expected_answer():
+    import re
+
+    grouped, whole = re.compile(r"answer: (\w+)"), re.compile(r"\d+")
+    assert score("The answer: Paris!", "paris", ["regex"], grouped) == {"regex": 1.0}
+    assert score("The answer: Rome!", "paris", ["regex"], grouped) == {"regex": 0.0}
+    assert score("no colon here Paris", "paris", ["regex"], grouped) == {"regex": 0.0}  # no match
+    assert score("it is 12 or 13", "12", ["regex"], whole) == {"regex": 1.0}  # the first match
+
+
+@pytest.mark.parametrize(("expected", "scorers", "fragment"), [
+    ("Paris", ["number"], "has no number"),
+    ("seven", ["choice"], "names no choice letter"),
+    ("the", ["exact_match"], "empty after normalization"),
+])
+def test_an_expected_answer_no_scorer_could_match_is_named(expected, scorers, fragment):
+    assert fragment in check_expected(expected, scorers)
+    assert check_expected("The answer is B, 4", ["number", "choice", "contains"]) is None
+
+
+def write_lines(path: Path, *records) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_the_eval_set_reads_every_format_with_its_expected_answer(tmp_path):
+    name = write_lines(tmp_path / "eval.jsonl",
+                       {"prompt": "What is 2 plus 3?", "answer": 5, "id": 7},
+                       "",  # a blank line is no record
+                       {"messages": [{"role": "user", "content": "Capital of Peru?"}], "expected": "Lima"},
+                       {"conversations": [{"from": "human", "value": "Opposite of hot?"},
+                                          {"from": "gpt", "value": "Cold."}]})
+    samples = read_eval_set(name, ["exact_match"], system_prompt="Be brief.")
+    assert [(s.where, s.expected, s.id) for s in samples] == [("line 1", "5", "7"), ("line 3", "Lima", None),
+                                                              ("line 4", "Cold.", None)]
+    assert samples[2].messages == [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Opposite of hot?"}]  # the answer is not prompted
+    assert [s.prompt for s in samples] == ["What is 2 plus 3?", "Capital of Peru?", "Opposite of hot?"]
+    assert len(read_eval_set(name, ["exact_match"], limit=2)) == 2
+
+
+@pytest.mark.parametrize(("record", "fragment"), [
+    ("{not json", "line 2: not valid JSON"),
+    ({"prompt": "hi"}, "line 2: has no 'answer' and its conversation does not end with the assistant's answer"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "answer": "x"},
+     "line 2: the prompt ends on an assistant turn"),
+    ({"prompt": "hi", "answer": True}, "line 2: 'answer' must be text or a number, got True"),
+    ({"messages": [{"role": "wizard", "content": "hi"}], "answer": "x"}, "line 2: messages[0].role is 'wizard'"),
+    ({"prompt": "Capital of Peru?", "answer": "Lima"}, "line 2: the expected answer 'Lima' has no number"),
+    ({"prompt": "", "answer": "4"}, "line 2: 'prompt' must be non-empty text"),
+])
+def test_a_bad_eval_record_is_refused_naming_file_and_line(tmp_path, record, fragment):
+    name = write_lines(tmp_path / "eval.jsonl", {"prompt": "What is 2 plus 2?", "answer": "4"}, record)
+    with pytest.raises(DataError) as error:
+        read_eval_set(name, ["number"])
+    assert str(error.value).startswith(f"{tmp_path / 'eval.jsonl'}: line 2: ") and fragment in str(error.value)
+
+
+def test_a_json_array_eval_set_names_the_record_and_an_empty_one_is_refused(tmp_path):
+    (tmp_path / "eval.json").write_text(json.dumps([{"prompt": "a?", "answer": "b"}, {"prompt": "c?"}]))
+    with pytest.raises(DataError, match=r"eval.json: record 1: has no 'answer'"):
+        read_eval_set(str(tmp_path / "eval.json"), ["exact_match"])
+    with pytest.raises(DataError, match="no eval records"):
+        read_eval_set(write_lines(tmp_path / "empty.jsonl"), ["exact_match"])
+
+
+def test_the_demo_eval_set_holds_out_one_question_and_its_others_are_in_the_training_data():
+    samples = read_eval_set("builtin:demo-eval", ["exact_match", "contains"])
+    asked = {turn["value"] for record in json.loads(DEMO_CONVERSATIONS.read_text())
+             for turn in record["conversations"] if turn["from"] == "human"}
+    assert len(samples) == 40 and [s.prompt for s in samples if s.prompt not in asked] == list(HELD_OUT)
+
+
+def test_a_prompt_the_chat_template_cannot_render_is_refused_naming_its_line(tmp_path):
+    tok = load_tokenizer(ModelConfig(), "auto")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system "
+                         "turns') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    name = write_lines(tmp_path / "eval.jsonl", {"prompt": "a?", "answer": "b"},
+                       {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+                        "answer": "b"})
+    with pytest.raises(DataError, match=r"eval.jsonl: line 2: the chat template cannot render this prompt: .*no "
+                                        r"system turns"):
+        check_renders(read_eval_set(name, ["exact_match"]), tok, name)
+
+
+@pytest.mark.parametrize(("sets", "fragment"), [
+    ({"eval.scorers": "[bleu]"}, "config key 'eval.scorers': 'bleu' is not one of exact_match"),
+    ({"eval.scorers": "[regex]"}, "config key 'eval.answer_pattern': the regex scorer needs a regular expression"),
+    ({"eval.scorers": "[regex]", "eval.answer_pattern": "'(oops'"}, "'(oops' is not a regular expression"),
+    ({"eval.engine": "vllm"}, "config key 'eval.engine': vllm runs its engine on GPUs"),
+    ({"eval.timeout_s": 0}, "config key 'eval.timeout_s': must be > 0"),
+    ({"eval.path": "s3://bucket/eval.jsonl"}, "config key 'eval.path': must be a file every node can read"),
+    ({"checkpoint.keep_best": 1, "checkpoint.best_metric": "gen/exact_match"},
+     "config key 'checkpoint.keep_best': ranks checkpoints by gen/exact_match, a generation score: set eval.path"),
+    ({"checkpoint.keep_best": 1, "checkpoint.best_metric": "gen/number", "eval.path": "e.jsonl"},
+     "gen/number ranks by the number scorer, which eval.scorers ['exact_match'] does not run"),
+    ({"checkpoint.best_metric": "gen/bleu"}, "a generation score is gen/<scorer>"),
+    ({"checkpoint.best_metric": "accuracy"}, "'accuracy' is not a metric of this run's evaluations"),
+    ({"checkpoint.best_metric": "eval/rewards/accuracies", "data.eval_fraction": 0.1},  # an SFT run has no rewards
+     "'eval/rewards/accuracies' is not a metric"),
+])
+def test_the_eval_section_and_the_best_metric_are_checked_by_key(tmp_path, sets, fragment):
+    with pytest.raises(ConfigError) as error:
+        tiny_config(tmp_path, **sets)
+    assert fragment in str(error.value)
+
+
+def test_a_dpo_run_may_be_validated_and_keep_its_best_by_reward_accuracy(tmp_path):
+    cfg = tiny_config(tmp_path, **{"train.objective": "dpo", "data.paths": "[builtin:demo-preferences]",
+                                   "data.eval_fraction": 0.1, "checkpoint.keep_best": 1,
+                                   "checkpoint.best_metric": "eval/rewards/accuracies"})
+    assert best_mode(cfg.checkpoint) == "max" and best_mode(tiny_config(tmp_path).checkpoint) == "min"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """demo-tiny with random weights and the demo tokenizer: an HF directory `raysft chat` loads."""
+    from transformers import LlamaForCausalLM
+
+    from raysft.model.build import preset_config
+
+    tok = load_tokenizer(ModelConfig(), "auto")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    LlamaForCausalLM(preset_config("demo-tiny", tok)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_hf_engine_greedy_answers_are_the_answers_of_raysft_chat(tiny_model):
+    samples = read_eval_set("builtin:demo-eval", ["exact_match"])
+    engine = HfEngine(tiny_model, GenEvalConfig(path="builtin:demo-eval", max_new_tokens=12, batch_size=8))
+    lengths = [len(engine.prompt_ids(s)) for s in samples]
+    assert max(lengths.count(n) for n in lengths) >= 8  # batches of several prompts, each of one length
+    answers = engine.generate(samples)
+    chat = ChatModel.load(tiny_model)
+    assert answers == [chat.reply(s.messages, max_new_tokens=12) for s in samples]
+    assert len(set(answers)) > 1 and all(answers)
+
+    # a stop string ends a generation, cut off; sampling draws the same answers from the same seed
+    stop = next(a for a in answers[:16] if len(a) >= 6)[3:5]
+    stopped = HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, stop=[stop])).generate(samples[:16])
+    assert stopped == [cut_at_stop(a, [stop]) for a in answers[:16]] != answers[:16]
+    sampled = [HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, temperature=1.0, seed=seed))
+               .generate(samples[:8]) for seed in (3, 3, 4)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    with pytest.raises(EvalTimeout, match="after 0 of"):
+        engine.generate(samples, deadline=0.0)
+
+
+EVAL_SETS = {"eval.scorers": "[exact_match, contains]", "eval.max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, gloo_pool):
+    """A sharded LoRA run under torchrun (4 steps, a checkpoint every 2, and the base at step 0), each checkpoint
+    evaluated in-process on 6 demo questions."""
+    pytest.importorskip("peft")
+    root = tmp_path_factory.mktemp("gen")
+    eval_set = write_lines(root / "eval.jsonl", *[json.loads(line) for line in
+                                                  (Path(__file__).parent.parent / "raysft/assets/demo/eval.jsonl")
+                                                  .read_text().splitlines()[:6]])
+    cfg = tiny_config(root, **{"model.lora.r": 4, "checkpoint.mode": "sharded", "train.max_steps": 4,
+                               "checkpoint.every_n_steps": 2, "checkpoint.keep": 3, "eval.path": eval_set,
+                               "eval.at_start": True,
+                               "run.name": "lora", **EVAL_SETS})
+    gloo_pool.run(launch, cfg)
+    return cfg
+
+
+def test_torchrun_evaluates_every_checkpoint_in_process_and_logs_each_once(lora_run):
+    events = [m for m in read_metrics(lora_run.run_dir) if m.get("event", "").startswith("gen_eval")]
+    assert [(e["event"], e["step"]) for e in events] == [("gen_eval", 0), ("gen_eval", 2), ("gen_eval", 4)]
+    for e in events:
+        ckpt = lora_run.run_dir / e["checkpoint"]
+        record = read_result(ckpt)
+        assert record["metrics"] == {k: v for k, v in e.items() if k.startswith("gen/")}
+        assert set(record["metrics"]) == {"gen/exact_match", "gen/contains"} and record["samples"] == 6
+        rows = [json.loads(line) for line in (ckpt / "eval" / "samples.jsonl").read_text().splitlines()]
+        assert len(rows) == 6 and set(rows[0]) >= {"prompt", "generation", "expected", "scores"}
+        assert e["table"] == str(ckpt / "eval" / "samples.jsonl")
+        assert record["metrics"]["gen/contains"] == sum(r["scores"]["contains"] for r in rows) / 6
+
+
+def test_raysft_eval_on_the_sharded_lora_checkpoint_and_on_its_export(lora_run, tmp_path, monkeypatch):
+    ckpt = lora_run.run_dir / "checkpoint_00000004"
+    args = [lora_run.eval.path, "--scorers", "exact_match,contains", "--max-new-tokens", "8"]
+    out = cli_in_process("eval", str(ckpt), *args)
+    assert out.returncode == 0, out.stderr
+    assert "was evaluated so before (same eval set and settings)" in out.stdout  # the run's record, not redone
+    assert f"raysft: per-sample table {ckpt}/eval/samples.jsonl" in out.stdout
+    recorded = ckpt / "eval" / "samples.jsonl"
+    generations = [json.loads(line)["generation"] for line in recorded.read_text().splitlines()]
+
+    (ckpt / "eval" / "result.json").unlink()  # evaluated again, from the sharded files: the same answers
+    out = cli_in_process("eval", str(lora_run.run_dir), *args, "--checkpoint", "4")
+    assert out.returncode == 0 and "gen/exact_match" in out.stdout, out.stderr
+    assert [json.loads(line)["generation"] for line in recorded.read_text().splitlines()] == generations
+
+    monkeypatch.chdir(tmp_path)  # other settings: the run's record stays, this evaluation goes to ./eval-<name>
+    out = cli_in_process("eval", str(ckpt), *args[:-1], "4")
+    assert out.returncode == 0, out.stderr
+    assert f"holds the record of another evaluation (eval set or settings): this one goes to {tmp_path}" in out.stdout
+    assert (tmp_path / "eval-checkpoint_00000004" / "samples.jsonl").is_file()
+    assert read_result(ckpt)["key"]["max_new_tokens"] == 8
+
+    merged = export(ckpt, tmp_path / "merged", merge=True)  # the model the LoRA checkpoint holds, exported
+    out = cli_in_process("eval", str(merged), *args, "--out", str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    assert f"raysft: per-sample table {tmp_path / 'out' / 'samples.jsonl'}" in out.stdout
+    table = (tmp_path / "out" / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["generation"] for line in table] == generations
+    assert json.loads((tmp_path / "out" / "result.json").read_text())["model"] == str(merged)
+
+
+def test_an_evaluation_that_times_out_is_one_event_and_training_goes_on(tmp_path, gloo_pool):
+    cfg = tiny_config(tmp_path, **{"train.max_steps": 4, "checkpoint.every_n_steps": 2,
+                                   "eval.path": "builtin:demo-eval", "eval.timeout_s": 0.001, **EVAL_SETS})
+    gloo_pool.run(launch, cfg)
+    records = read_metrics(cfg.run_dir)
+    assert [m["step"] for m in records if "loss" in m] == [1, 2, 3, 4]  # training went on after the first
+    failed = [m for m in records if m.get("event", "").startswith("gen_eval")]
+    assert [(e["event"], e["step"], e["outcome"]) for e in failed] == [("gen_eval_failed", 2, "timed_out"),
+                                                                    ("gen_eval_failed", 4, "timed_out")]
+    assert "EvalTimeout: eval.timeout_s=0.001 passed after 0 of" in failed[0]["reason"]
+    assert read_result(cfg.run_dir / "checkpoint_00000004") is None
+    assert recorded_metric(cfg.run_dir / "checkpoint_00000004", "gen/contains") is None  # unranked
+
+
+def fake_checkpoint(run_dir: Path, step: int, score: float | None = None, failed: bool = False) -> Path:
+    """A complete checkpoint of `step`, as a commit leaves it, with a generation evaluation's record."""
+    ckpt = run_dir / f"checkpoint_{step:08d}"
+    ckpt.mkdir(parents=True)
+    (run_dir / "raysft_run.json").write_text("{}")  # a run's checkpoint: its records are copied to gen_evals/
+    (ckpt / STATE_FILE).write_text(json.dumps({"step": step}))
+    write_manifest(ckpt, step, [durable_file_list(ckpt)])
+    common = {"step": step, "key": {}, "finished": 1000.0 + step}
+    if score is not None:
+        write_result(ckpt, {**common, "metrics": {"gen/exact_match": score}, "samples": 4, "table": "samples.jsonl",
+                            "engine": "hf", "started": 999.0, "seconds": 1.0})
+    if failed:
+        write_failure(ckpt, {**common, "kind": "failed", "reason": "RuntimeError: no vLLM"})
+    return ckpt
+
+
+def test_keep_best_by_a_generation_score_keeps_the_best_and_the_latest_a_failed_one_ranks_last(tmp_path):
+    run = tmp_path / "run"
+    ckpts = [fake_checkpoint(run, 2, 0.5), fake_checkpoint(run, 4, 0.9), fake_checkpoint(run, 6, failed=True),
+             fake_checkpoint(run, 8, 0.1)]
+    maximum, minimum = ("gen/exact_match", "max"), ("gen/exact_match", "min")
+    assert [c.name for c in to_prune(ckpts, 1, 1, maximum)] == ["checkpoint_00000002", "checkpoint_00000006"]
+    assert [c.name for c in to_prune(ckpts, 1, 2, maximum)] == ["checkpoint_00000006"]
+    assert [c.name for c in to_prune(ckpts, 1, 2, minimum)] == ["checkpoint_00000004", "checkpoint_00000006"]
+    assert select_checkpoint(run, "best", maximum).name == "checkpoint_00000004"
+    assert recorded_metric(ckpts[2], "gen/exact_match") is None and read_failure(ckpts[2])["kind"] == "failed"
+
+
+def test_the_log_takes_each_record_once_across_launches_and_report_plots_the_scores(tmp_path):
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2, 0.5)
+    fake_checkpoint(run, 4, failed=True)
+    rows = [{"step": s, "time": 0, "loss": 3 - 0.1 * s, "tokens_per_s": 100.0} for s in range(1, 7)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def follow() -> int:
+        log = MetricsLogger(run, 6, 1)
+        return GenEvalLog(run, log).poll(now=True)
+
+    assert follow() == 2 and follow() == 0  # a relaunch logs nothing twice
+    fake_checkpoint(run, 6, 0.75)
+    assert follow() == 1
+    events = [m for m in read_metrics(run) if m.get("event", "").startswith("gen_eval")]
+    assert [(e["event"], e["step"]) for e in events] == [("gen_eval", 2), ("gen_eval_failed", 4), ("gen_eval", 6)]
+    assert events[1]["reason"] == "RuntimeError: no vLLM" and events[2]["gen/exact_match"] == 0.75
+    assert score_line(events, "e.jsonl") == ("generation eval (e.jsonl, 4 prompts): step 2: gen/exact_match 0.500 "
+                                             "-> step 6: gen/exact_match 0.750; 1 failed (gen_eval_failed in "
+                                             "metrics.jsonl)")
+    curves = read_curves(run)
+    assert curves.gen_scores() == {"gen/exact_match": {2: 0.5, 6: 0.75}}
+    assert ", gen/exact_match 0.750 (step 6)," in curves.summary()
+    out = cli_in_process("report", str(run))
+    assert out.returncode == 0 and (run / "report.png").is_file(), out.stderr
+
+
+def test_a_bad_eval_set_stops_raysft_train_before_anything_is_written(tmp_path):
+    bad = write_lines(tmp_path / "eval.jsonl", {"prompt": "What is 2 plus 2?", "answer": "4"},
+                      {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                       "answer": "x"})
+    out = cli_in_process("train", "--set", f"eval.path={bad}", "--set", f"run.storage_path={tmp_path / 'runs'}")
+    assert out.returncode == 1, out.stderr
+    assert f"DataError: {bad}: line 2: the prompt ends on an assistant turn" in out.stderr
+    assert not (tmp_path / "runs").exists()  # no store tokenized, no run claimed
