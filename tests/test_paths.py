@@ -27,6 +27,10 @@ NOT_PATHS = {
     "metrics.trackers": "tracker names",
     "metrics.project": "a tracker's project name",
     "metrics.mlflow_tracking_uri": "MLflow's URI grammar: 'databricks' and the like are names, not paths",
+    "checkpoint.best_metric": "a metric's name",
+    "eval.scorers": "scorer names",
+    "eval.stop": "text that ends a generation",
+    "eval.answer_pattern": "a regular expression",
 }
 
 
