@@ -194,7 +194,7 @@ def verify_worker(loop: dict) -> None:
 
     from raysft.checkpoint.discovery import verified_reason
     from raysft.checkpoint.manifest import incomplete_reason
-    from raysft.parallel.collectives import from_rank0
+    from raysft.distributed.collectives import from_rank0
 
     path = Path(loop["checkpoint"])
     ways = {"rank0": lambda: from_rank0(lambda: incomplete_reason(path)), "shared": lambda: verified_reason(path)}

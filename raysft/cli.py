@@ -257,7 +257,7 @@ def _cluster_gpus() -> tuple[str | None, int]:
     where Ray is not installed."""
     import ray
 
-    from raysft.launch.local_ray import check_reachable
+    from raysft.distributed.local_ray import check_reachable
 
     check_reachable()
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)

@@ -7,9 +7,9 @@ import tempfile
 import ray
 
 from raysft.config import ScalingConfig
-from raysft.launch import local_ray
+from raysft.distributed import local_ray
+from raysft.distributed.local_ray import without_noise
 from raysft.launch import ray_driver as launch
-from raysft.launch.local_ray import without_noise
 
 
 def test_without_ray_address_a_private_local_ray_is_started_not_another_one_joined(monkeypatch):

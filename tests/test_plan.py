@@ -250,7 +250,7 @@ def test_plan_names_an_unreachable_cluster_within_the_connect_timeout(monkeypatc
     import socket
     import time
 
-    from raysft.launch import local_ray
+    from raysft.distributed import local_ray
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,8 +9,8 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from raysft.parallel import collectives
-from raysft.parallel.collectives import process_group_backend
+from raysft.distributed import collectives
+from raysft.distributed.collectives import process_group_backend
 
 
 @pytest.mark.parametrize(("device_type", "cpu_offload", "backend"), [

@@ -350,7 +350,7 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
 
 def test_a_ray_address_nobody_answers_is_named_within_the_connect_timeout(tmp_path, monkeypatch):
     """A closed port on loopback: Ray alone retries it for minutes; raysft names RAY_ADDRESS before tokenizing."""
-    from raysft.launch import local_ray
+    from raysft.distributed import local_ray
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,8 +21,8 @@ from raysft.checkpoint.layouts import PendingSave, load, start_save
 from raysft.checkpoint.sinks import Sink
 from raysft.checkpoint.state import TrainingObjects, TrainState
 from raysft.config import CheckpointConfig
+from raysft.distributed.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.errors import CheckpointSaveError, NonFiniteStateError
-from raysft.parallel.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.storage import Location
 
 FULL_SAVE_MAX_BYTES = 16 * 2**30  # "auto": the largest checkpoint that rank 0 writes alone (full)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from raysft.checkpoint.manifest import hash_problem, listed_and_sized, share_by_size, to_hash
-from raysft.parallel.collectives import first_of_ranks, from_rank0
+from raysft.distributed.collectives import first_of_ranks, from_rank0
 from raysft.storage import Location, location, native
 
 CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step

@@ -39,11 +39,11 @@ from raysft.checkpoint.background import background, run_now
 from raysft.checkpoint.manifest import HashingWriter, read_manifest
 from raysft.checkpoint.state import CheckpointError, TrainingObjects, read_safetensors
 from raysft.checkpoint.trainable import check_adapter_names, check_saved_tensors, state_dict_options
+from raysft.distributed.collectives import all_ranks, from_rank0
 from raysft.errors import ends_the_run
 from raysft.hf import shards as hf_shards
 from raysft.hf.tensors import safetensors_tensors
 from raysft.hf.weights import WeightsFileError, read_local_slices
-from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.storage import Location, location
 
 OPTIMIZER_META_FILE = "optimizer.json"

@@ -25,8 +25,8 @@ from raysft.checkpoint.state import (
     restore_trainer_state,
     write_run_files,
 )
+from raysft.distributed.collectives import count_ranks
 from raysft.errors import CheckpointSaveError
-from raysft.parallel.collectives import count_ranks
 from raysft.storage import Location
 
 # each: save(out_dir, objs, asynchronous) -> Future of {file: sha256} hashed while written; load(ckpt_dir, objs)

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from raysft.checkpoint.discovery import checkpoint_name
 from raysft.checkpoint.manifest import MANIFEST_FILE, fsync
 from raysft.checkpoint.retention import LOWEST_EVAL_LOSS, prune
+from raysft.distributed.collectives import count_ranks, from_rank0
 from raysft.errors import CheckpointSaveError
-from raysft.parallel.collectives import count_ranks, from_rank0
 from raysft.storage import Location
 
 STAGING_DIR = ".staging"

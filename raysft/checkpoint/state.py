@@ -15,8 +15,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.data.dataloader import DataCursor
+from raysft.distributed.collectives import default_device, uses_nccl
 from raysft.errors import CheckpointError
-from raysft.parallel.collectives import default_device, uses_nccl
 from raysft.storage import Location, location
 from raysft.training.step_guard import StepGuard, state_problem
 

@@ -231,6 +231,6 @@ def tokenize_on_ray(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources
 def _connect_ray() -> bool:
     """The running Ray, the cluster in RAY_ADDRESS, or else a local Ray started here: True then, and the caller shuts
     it down (`raysft train` then starts its own, sized for the workers)."""
-    from raysft.launch.local_ray import connect
+    from raysft.distributed.local_ray import connect
 
     return connect(include_dashboard=False) is not None

@@ -6,7 +6,6 @@ Modules, by role:
   ray_driver  the Ray edge on the driver: a Ray to join or start, TorchTrainer, the stop flag (`raysft.train`)
   ray_worker  the Ray edge on the workers: Ray's context, reports, checkpoints, preemption notices
   torchrun    the worker run under torchrun, no Ray (`torchrun -m raysft.run`)
-  local_ray   a Ray of raysft's own on this machine, for a launch without RAY_ADDRESS
   lease       one launch at a time per run: a lease file in the run directory
   signals     how a launch ends on SIGTERM or Ctrl-C
 """

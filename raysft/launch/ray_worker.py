@@ -34,9 +34,9 @@ from raysft.checkpoint import (
 from raysft.checkpoint.gen_record import recorded_metric
 from raysft.checkpoint.retention import eval_loss, unregistered
 from raysft.config import TrainConfig, config_from_dict
+from raysft.distributed.collectives import from_rank0
 from raysft.errors import ends_the_run, run_ending_type
 from raysft.launch.paths import check_worker_paths
-from raysft.parallel.collectives import from_rank0
 from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 

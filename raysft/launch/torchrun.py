@@ -27,13 +27,13 @@ from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_nam
 from raysft.checkpoint.discovery import RUN_FILE, read_run_id
 from raysft.checkpoint.memory import remove_run
 from raysft.config import ConfigError, TrainConfig, best_mode, load_config
+from raysft.distributed.collectives import from_rank0, process_group_backend
 from raysft.errors import RunInUse, ends_the_run, run_ending_type
 from raysft.evals.validation import EvaluatingSink
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
-from raysft.parallel.collectives import from_rank0, process_group_backend
 from raysft.storage import location
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 

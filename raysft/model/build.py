@@ -26,13 +26,13 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 import raysft.model.attention  # noqa: F401  (registers the "varlen" attention implementation with transformers)
 from raysft.config import ConfigError, ModelConfig
+from raysft.distributed.collectives import all_ranks, from_rank0
 from raysft.errors import WeightsFileError
 from raysft.hf.files import INDEX_FILE, ModelDirError, check_config_file, check_model_dir, weight_files
 from raysft.hf.tensors import check_dtypes, check_tensors, safetensors_tensors, split_aliases
 from raysft.hf.weights import read_local_slices, tensor_files
 from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adapter
 from raysft.model.seeded_init import clean_name, init_parameters
-from raysft.parallel.collectives import all_ranks, from_rank0
 
 PRESETS: dict[str, dict] = {
     # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.

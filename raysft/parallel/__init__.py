@@ -1,5 +1,4 @@
-"""Parallelism: where each rank sits (one layout object), FSDP2 applied in one place, sequence parallelism, and the
-one-value collectives the ranks agree through.
+"""Parallelism: where each rank sits (one layout object), FSDP2 applied in one place, sequence parallelism, FP8.
 
 Modules, by role:
   layout       ParallelDims: the config and the cluster's topology -> the (replicate, shard, sequence) sizes,
@@ -11,6 +10,4 @@ Modules, by role:
   sequence     Ulysses sequence parallelism: each rank's part of every packed row, attention over the whole row
   fp8          FP8 training (parallel.fp8): the linear layers swapped for torchao's Float8Linear before sharding,
                their weights all-gathered in float8; refused where it cannot run
-  collectives  the process group's backend (NCCL, gloo, or both with CPU offload); all/any/count over ranks, a
-               value computed on rank 0 and shared
 """

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from raysft.config import TrainConfig
-from raysft.parallel.collectives import any_rank
+from raysft.distributed.collectives import any_rank
 from raysft.storage import Location, scratch_file
 from raysft.training.trackers import Trackers
 

@@ -29,6 +29,7 @@ from raysft.data.dataloader import (
     to_device,
 )
 from raysft.data.tokenizer import load_tokenizer
+from raysft.distributed.collectives import all_ranks, from_rank0
 from raysft.model.build import (
     build_meta_model,
     load_initial_weights,
@@ -39,7 +40,6 @@ from raysft.model.build import (
 from raysft.model.lora import add_adapters, record
 from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
 from raysft.model.preference_loss import disable_dropout, install_sequence_nll
-from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.parallel.fsdp import parallelize
 from raysft.parallel.layout import ParallelDims, gather_node_ranks
 from raysft.parallel.sequence import model_batch

@@ -46,7 +46,7 @@ from raysft.checkpoint.memory.staging import Stager
 from raysft.checkpoint.memory.transport import Transport
 from raysft.checkpoint.state import TrainingObjects, TrainState, trainer_state_dict
 from raysft.config import CheckpointConfig
-from raysft.parallel.collectives import from_rank0
+from raysft.distributed.collectives import from_rank0
 from raysft.parallel.layout import ParallelDims
 
 

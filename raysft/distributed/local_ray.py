@@ -1,4 +1,4 @@
-"""Starting a Ray of raysft's own on this machine, for a launch without RAY_ADDRESS.
+"""Starting a Ray of raysft's own on this machine, for a launch (or a tokenizing on Ray) without RAY_ADDRESS.
 
 `ray.init()` without an address joins whatever Ray its temp dir says was started last on this machine (`ray start`,
 another user's cluster, a test suite's), and then fails because num_cpus may not be given when joining. raysft's
