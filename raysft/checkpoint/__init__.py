@@ -4,12 +4,12 @@ Modules, by role:
   checkpointer  when to save (cadence, preemption notices, stop requests: Checkpointer.due), layout choice, one
                 save at a time in the background, commit through a Sink, load; no save of NaN or inf
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
-  full          an HF model directory (model.safetensors) plus the optimizer state, gathered a tensor at a time
-                onto rank 0 and written by it; resumed from each rank's slices
-  hf_shards     a full checkpoint's files of about 5 GiB and their index, as HF writes a large model
+  full          an HF model directory plus the optimizer state, gathered a tensor at a time onto rank 0 and
+                written by it in files as HF writes a large model (raysft.hf.shards); resumed from each rank's slices
   sharded       every rank writes its own DCP shards; loads reshard to any topology
   manifest      every file's size and sha256, written last: what makes a checkpoint complete
-  state         trainer state (step, data cursor, schedule, loss scale), RNG, the training objects, errors
+  state         trainer state (step, data cursor, schedule, loss scale, step guard), RNG, the training objects
+                (the errors a checkpoint raises are raysft.errors', re-exported here)
   trainable     what is saved of a model with frozen parameters (LoRA): only what trains, its names checked
   memory/       the memory tier: snapshots in node-local memory as often as every step, a copy on another node,
                 resumed from when newer than the stored checkpoint (its own modules, by role)

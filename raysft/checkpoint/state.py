@@ -1,9 +1,14 @@
 """What a checkpoint holds besides the weights: the training objects it saves, the trainer state file (step, data
-cursor, LR schedule, loss scale, step guard, world size) and every rank's RNG, and the errors a checkpoint can raise."""
+cursor, LR schedule, loss scale, step guard, world size) and every rank's RNG.
+
+The step guard (raysft.training.step_guard) is one of the training objects, saved and restored through its
+state_dict like the scheduler's; the shape of what it saves is part of the trainer state's format, checked here
+(step_guard_problem) with the rest of the file, so that the checkpoint package needs nothing of the training loop."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,13 +17,14 @@ import torch.distributed as dist
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from raysft.config import LOSS_SPIKE_WINDOW
 from raysft.data.dataloader import DataCursor
 from raysft.distributed.collectives import default_device, uses_nccl
 from raysft.errors import CheckpointError
 from raysft.storage import Location, location
-from raysft.training.step_guard import StepGuard, state_problem
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"
@@ -46,7 +52,7 @@ class TrainingObjects:
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase
     aliases: dict[str, str]  # tied parameters: {alias: canonical name}
-    guard: StepGuard  # its recent losses and skips in a row decide the steps after a resume
+    guard: Stateful  # the step guard: its recent losses and skips in a row decide the steps after a resume
     lora: dict | None = None  # LoRA (raysft.model.lora.record): the checkpoint holds only the adapters
 
 
@@ -98,9 +104,23 @@ def check_trainer_state(state, where, modes: tuple[str, ...] = ("full", "sharded
     if wrong or state["mode"] not in modes:
         raise CheckpointError(f"{where}: not a raysft trainer state: {wrong[0] if wrong else 'mode'} is missing or "
                               f"of the wrong type ({state.get(wrong[0] if wrong else 'mode')!r})")
-    if "step_guard" in state and (problem := state_problem(state["step_guard"])):  # absent: a fresh guard
+    if "step_guard" in state and (problem := step_guard_problem(state["step_guard"])):  # absent: a fresh guard
         raise CheckpointError(f"{where}: step_guard: {problem}")
     return state
+
+
+def step_guard_problem(state: object) -> str | None:
+    """What is wrong with a step guard's state read from a checkpoint, or None: `recent` a list of at most
+    LOSS_SPIKE_WINDOW finite numbers, `in_a_row` a count."""
+    if not isinstance(state, dict) or set(state) != {"recent", "in_a_row"}:
+        return f"expected an object with keys recent and in_a_row, found {state!r}"
+    recent, in_a_row = state["recent"], state["in_a_row"]
+    if not isinstance(recent, list) or len(recent) > LOSS_SPIKE_WINDOW or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in recent):
+        return f"recent must be a list of at most {LOSS_SPIKE_WINDOW} finite losses, found {recent!r}"
+    if not isinstance(in_a_row, int) or isinstance(in_a_row, bool) or in_a_row < 0:
+        return f"in_a_row must be a count, found {in_a_row!r}"
+    return None
 
 
 def restore_trainer_state(state: dict, objs: TrainingObjects) -> TrainState:

@@ -17,6 +17,8 @@ from raysft.config.load import config_from_dict, load_config
 from raysft.config.sections import (
     ATTN_IMPLEMENTATIONS,
     BUILTIN,
+    LOSS_SPIKE_MIN_HISTORY,
+    LOSS_SPIKE_WINDOW,
     TRACKERS,
     CheckpointConfig,
     DataConfig,
@@ -34,9 +36,9 @@ from raysft.config.sections import (
 from raysft.errors import ConfigError
 
 __all__ = [
-    "ATTN_IMPLEMENTATIONS", "BUILTIN", "SCORERS", "TRACKERS", "CheckpointConfig", "ConfigError", "DataConfig",
-    "DpoConfig", "GenEvalConfig", "LoraConfig", "MetricsConfig", "ModelConfig", "ParallelConfig", "RunConfig",
-    "ScalingConfig", "TrainConfig", "TrainLoopConfig",
+    "ATTN_IMPLEMENTATIONS", "BUILTIN", "LOSS_SPIKE_MIN_HISTORY", "LOSS_SPIKE_WINDOW", "SCORERS", "TRACKERS",
+    "CheckpointConfig", "ConfigError", "DataConfig", "DpoConfig", "GenEvalConfig", "LoraConfig", "MetricsConfig",
+    "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
     "best_mode", "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown",
     "sequence_layout",
 ]

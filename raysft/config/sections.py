@@ -18,7 +18,11 @@ from raysft.config.gen_eval import GenEvalConfig
 from raysft.storage import Location, location, native
 
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
-
+# train.loss_spike_factor's rule (raysft.training.step_guard): a spike is measured against the median loss of this
+# many recent applied steps, once this many have been applied (the first losses fall fast). A checkpoint holds those
+# losses (raysft.checkpoint.state), so the window bounds what a sound one holds.
+LOSS_SPIKE_WINDOW = 32
+LOSS_SPIKE_MIN_HISTORY = 8
 
 
 @dataclass

@@ -21,12 +21,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from raysft.config import TrainLoopConfig
+from raysft.config import LOSS_SPIKE_MIN_HISTORY, LOSS_SPIKE_WINDOW, TrainLoopConfig
 from raysft.errors import TrainingDivergedError
-
-LOSS_SPIKE_WINDOW = 32  # applied steps whose median loss a spike is measured against
-LOSS_SPIKE_MIN_HISTORY = 8  # the guard waits for this many applied steps (the first losses fall fast)
-
 
 
 class StepGuard:
@@ -43,7 +39,7 @@ class StepGuard:
         return {"recent": list(self.recent), "in_a_row": self.in_a_row}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take up a state that `state_problem` accepts."""
+        """Take up a state that raysft.checkpoint.state.step_guard_problem accepts."""
         self.recent = deque(state["recent"], maxlen=LOSS_SPIKE_WINDOW)
         self.in_a_row = state["in_a_row"]
 
@@ -79,16 +75,3 @@ class StepGuard:
                 "check the data of these steps, or raise train.max_skipped_steps (0: never stop)")
         return reason
 
-
-def state_problem(state: object) -> str | None:
-    """What is wrong with a StepGuard state read from a checkpoint, or None: `recent` a list of at most
-    LOSS_SPIKE_WINDOW finite numbers, `in_a_row` a count."""
-    if not isinstance(state, dict) or set(state) != {"recent", "in_a_row"}:
-        return f"expected an object with keys recent and in_a_row, found {state!r}"
-    recent, in_a_row = state["recent"], state["in_a_row"]
-    if not isinstance(recent, list) or len(recent) > LOSS_SPIKE_WINDOW or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in recent):
-        return f"recent must be a list of at most {LOSS_SPIKE_WINDOW} finite losses, found {recent!r}"
-    if not isinstance(in_a_row, int) or isinstance(in_a_row, bool) or in_a_row < 0:
-        return f"in_a_row must be a count, found {in_a_row!r}"
-    return None
