@@ -23,14 +23,15 @@ from raysft.config import SCORERS, ConfigError, TrainConfig, best_mode, load_con
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.evals.runner import evaluate_model, is_checkpoint, summary
-from raysft.hf.export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
+from raysft.products.chat_model import DEFAULT_MAX_NEW_TOKENS, ChatModel
+from raysft.products.export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.storage import location
 from raysft.tools.architectures import KNOWN, initial_weights_fallback, plan_architecture
-from raysft.tools.chat import DEFAULT_MAX_NEW_TOKENS, ChatModel, Conversation, generate_answer, repl
+from raysft.tools.chat import Conversation, generate_answer, repl
 from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
 from raysft.tools.report import draw, read_curves
 from raysft.training.gen_log import gen_scores, score_line

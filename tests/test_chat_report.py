@@ -15,8 +15,9 @@ from conftest import run_cli as raysft
 
 from raysft.config import ModelConfig
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf.export import export
-from raysft.tools.chat import ChatModel, Conversation, generate_answer
+from raysft.products.chat_model import ChatModel
+from raysft.products.export import export
+from raysft.tools.chat import Conversation, generate_answer
 from raysft.tools.report import draw, read_curves
 
 Q1, Q2 = "What is the capital of France?", "And of Spain?"

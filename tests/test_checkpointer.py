@@ -25,8 +25,8 @@ from raysft.checkpoint import (
 )
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf.export import INDEX_FILE
 from raysft.launch.torchrun import launch
+from raysft.products.export import INDEX_FILE
 from raysft.training.trainer import Trainer
 
 
@@ -226,7 +226,7 @@ def test_a_full_checkpoint_in_files_with_an_index_resumes_exports_and_loads_in_t
     its index, as HF writes a large model; optimizer likewise): every rank resumes its slices through the index
     to the state that was saved, transformers loads the directory as it is, export and chat read it, a file
     missing makes it incomplete; a single-file one (the earlier layout) resumes and exports as before."""
-    from raysft.tools.chat import ChatModel
+    from raysft.products.chat_model import ChatModel
 
     cfg = run_config(tmp_path, "split", **{"checkpoint.mode": "full"})
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path

@@ -21,9 +21,9 @@ from raysft.errors import DataError
 from raysft.evals.engines import EvalTimeout, HfEngine, cut_at_stop
 from raysft.evals.evalset import check_renders, read_eval_set
 from raysft.evals.scorers import check_expected, score
-from raysft.hf.export import export
 from raysft.launch.torchrun import launch
-from raysft.tools.chat import ChatModel
+from raysft.products.chat_model import ChatModel
+from raysft.products.export import export
 from raysft.tools.report import read_curves
 from raysft.training.gen_log import GenEvalLog, score_line
 from raysft.training.metrics import MetricsLogger, read_metrics

@@ -307,7 +307,7 @@ BASE_EOS = {"meta-llama-Llama-3.1-8B-Instruct": "<|end_of_text|>", "Qwen-Qwen2.5
 def test_an_export_of_a_base_model_on_a_llama3_or_chatml_template_stops_at_its_end_of_turn(name, tmp_path):
     from transformers import GenerationConfig
 
-    from raysft.hf.export import write_generation_config
+    from raysft.products.export import write_generation_config
 
     model = {**MODELS[name], "eos": BASE_EOS[name]}
     model["special"] = [t for t in model["special"] if t != BASE_EOS[name]] + [END_OF_TURN[name]]

@@ -25,12 +25,12 @@ from raysft.checkpoint import (
 from raysft.config import ConfigError, ModelConfig, config_from_dict, load_config
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
-from raysft.hf.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from raysft.launch.torchrun import launch, prepare_on_rank0, run_trainer
 from raysft.model.build import build_full_model, load_model_config
 from raysft.model.lora import is_adapter
 from raysft.model.seeded_init import INIT_SCHEME
-from raysft.tools.chat import ChatModel
+from raysft.products.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from raysft.products.chat_model import ChatModel
 from raysft.training.metrics import read_metrics
 from raysft.training.trainer import Trainer
 

@@ -162,7 +162,7 @@ def test_raysft_train_on_a_header_bomb_exits_2_naming_the_file_before_ray_starts
 
 @pytest.mark.parametrize("fault", [header_bomb, cut_in_half], ids=lambda f: f.__name__)
 def test_chat_and_a_merged_lora_export_name_the_damaged_weights_file(tmp_path, model_dir, fault):
-    from raysft.hf.adapters import _SafetensorsDir
+    from raysft.products.adapters import _SafetensorsDir
 
     d = broken_copy(model_dir, tmp_path, fault)
     chat = cli_in_process("chat", str(d), "--prompt", "hi")
@@ -269,8 +269,8 @@ def test_weights_that_lack_a_tensor_or_hold_another_shape_or_quantized_values_ar
     """Trained and exported with exit 0 before (a missing tensor random, int8 codes read as weights): refused on the
     driver, from the headers, naming the file and the tensor; by chat, and as the base of a merged LoRA export."""
     from raysft.errors import WeightsFileError
-    from raysft.hf.adapters import _base_weights
     from raysft.launch.prelaunch import prepare_launch
+    from raysft.products.adapters import _base_weights
 
     d = broken_copy(model_dir, tmp_path, fault)
     cfg = tiny_config(tmp_path, **{"model.path": str(d), "model.tokenizer": ""})

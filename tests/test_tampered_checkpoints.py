@@ -33,9 +33,9 @@ from raysft.cli import main
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf import shards as hf_shards
-from raysft.hf.export import EXPORT_FILE, INDEX_FILE, export
 from raysft.launch.prelaunch import claim_run_dir
-from raysft.tools.chat import ChatModel
+from raysft.products.chat_model import ChatModel
+from raysft.products.export import EXPORT_FILE, INDEX_FILE, export
 from raysft.training.trainer import Trainer, WorkerContext
 
 

@@ -166,7 +166,7 @@ def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
 def test_export_in_bf16_fp16_fp32_with_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, gloo_pool):
     from transformers import AutoTokenizer, GenerationConfig
 
-    from raysft.hf.export import write_generation_config
+    from raysft.products.export import write_generation_config
 
     cfg = tiny_config(tmp_path, **{"train.max_steps": 2})
     gloo_pool.run(launch, cfg)

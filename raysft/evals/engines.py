@@ -3,10 +3,10 @@
 An engine takes the eval samples and returns one generation per sample, in order; it is opened on a Hugging Face
 model directory (raysft.evals.runner makes one of any checkpoint). Two engines:
 
-  hf    batched `generate` of transformers, loaded as `raysft chat` loads a model (raysft.tools.chat.ChatModel:
-        the same weights, tokenizer, chat template and stop tokens), so that a greedy answer is the one `raysft
-        chat` gives. Prompts are batched only with prompts of the same length, so no batch is padded: a row of a
-        batch then computes what it computes alone.
+  hf    batched `generate` of transformers, loaded as `raysft chat` loads a model
+        (raysft.products.chat_model.ChatModel: the same weights, tokenizer, chat template and stop tokens), so that
+        a greedy answer is the one `raysft chat` gives. Prompts are batched only with prompts of the same length,
+        so no batch is padded: a row of a batch then computes what it computes alone.
   vllm  vLLM through Ray Data (`ray.data.llm.vLLMEngineProcessorConfig`, `build_processor`), for GPU clusters where
         vLLM is installed; its chat-template stage renders the prompts with the template saved in the model
         directory, the same one. Its kernels are not transformers': greedy answers may differ from `raysft chat`'s
@@ -68,7 +68,7 @@ class HfEngine:
     def __init__(self, model_dir: Path, settings: GenEvalConfig):
         from transformers.utils import logging as hf_logging
 
-        from raysft.tools.chat import ChatModel
+        from raysft.products.chat_model import ChatModel
 
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in a log per evaluation

@@ -3,7 +3,8 @@ each answer is scored, and the record and per-sample table are written.
 
 A checkpoint is evaluated as it stands wherever the engine can read it: a full checkpoint is an HF directory; a
 sharded one, a LoRA one (its adapters merged into the base: the model its checkpoint holds) or one on remote storage
-is exported to a temporary directory first (raysft.hf.export), so no user ever exports a checkpoint to evaluate it.
+is exported to a temporary directory first (raysft.products.export), so no user ever exports a checkpoint to
+evaluate it.
 `evaluate_checkpoint` keeps its record beside the checkpoint (raysft.checkpoint.gen_record) and does nothing when a
 record of the same evaluation (its key: the eval set's content and every setting) is already there: a relaunch, or
 Ray requeueing the validation of a checkpoint whose evaluation had finished, redoes nothing. A failure or a timeout
@@ -37,7 +38,7 @@ from raysft.config import GenEvalConfig
 from raysft.evals.engines import EvalTimeout, open_engine, resolve_engine
 from raysft.evals.evalset import EvalSample, eval_set_sha256, read_eval_set
 from raysft.evals.scorers import score
-from raysft.hf.export import export
+from raysft.products.export import export
 from raysft.storage import Location, location
 
 

@@ -1,5 +1,6 @@
 """The Hugging Face format, read and written in one place: model directories, safetensors files and their index,
-each rank's slices of them, exported models and peft adapters.
+each rank's slices of them. What is built on it with the checkpoint and the model (exports, peft adapters) is
+raysft.products.
 
 Modules, by role:
   files     checks on a model or tokenizer directory before transformers reads it (no code, sound headers)
@@ -7,6 +8,4 @@ Modules, by role:
   weights   each rank's slices of named tensors, read from safetensors files into sharded parameters
   tensors   the one check of weights against the model reading them: every tensor, its shape, a dtype read right
   fingerprint  a cheap fingerprint of a model directory's weights (the base a run started from, in its identity)
-  export    a checkpoint (full or sharded) -> a model directory `from_pretrained` loads
-  adapters  a LoRA checkpoint -> a peft adapter directory, or merged into its base; loading what that writes
 """

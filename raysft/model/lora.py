@@ -6,7 +6,7 @@ get gradients, a gradient reduction and optimizer state. Checkpoints hold only w
 (raysft.checkpoint.trainable: torch's ignore_frozen_params); the frozen base always comes from where the run started:
 `model.path`, or the from-scratch initialization with `train.seed`, rebuilt on every launch. A LoRA checkpoint
 records that in its trainer_state.json (`record`), and exports as a peft adapter directory or merged into a full
-Hugging Face model (raysft.hf.adapters).
+Hugging Face model (raysft.products.adapters).
 
 Parameter names: the base weight of an adapted linear layer `...q_proj` is `...q_proj.base_layer.weight` in the
 model, its adapters `...q_proj.lora_A.default.weight` and `...q_proj.lora_B.default.weight` (peft's names).

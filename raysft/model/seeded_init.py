@@ -12,7 +12,7 @@ head: vocab x hidden, 4.2 GB in fp32 for Llama-3-70B), instead of a full copy of
 
 INIT_SCHEME names this scheme. Weights initialized another way are other weights: a run whose frozen base is
 rebuilt from the seed on every launch (LoRA from scratch) records it in its identity and its checkpoints, and a
-launch or an export under another scheme is refused (raysft.launch.prelaunch, raysft.hf.adapters).
+launch or an export under another scheme is refused (raysft.launch.prelaunch, raysft.products.adapters).
 """
 
 from __future__ import annotations

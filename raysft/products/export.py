@@ -33,11 +33,11 @@ from raysft.checkpoint.sharded import model_tensors
 from raysft.checkpoint.trainable import check_saved_tensors
 from raysft.data.labels import stop_token_ids
 from raysft.hf import shards as hf_shards
-from raysft.hf.adapters import lora_config, merged_weights, write_adapter
 from raysft.hf.tensors import Stored, safetensors_tensors
 from raysft.model.build import build_meta_model
 from raysft.model.lora import add_adapters
 from raysft.parallel.fsdp import DTYPES
+from raysft.products.adapters import lora_config, merged_weights, write_adapter
 from raysft.storage import Location, built_then_renamed, location, native
 
 INDEX_FILE = hf_shards.index_name("model")
@@ -57,7 +57,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     checkpoint_dir may be on remote storage (s3://..., gs://...): a sharded checkpoint's weights are read from
     there piece by piece (not its optimizer state), a full one's model files are downloaded to a temporary
     directory first.
-    A LoRA checkpoint (raysft.hf.adapters) exports as a peft adapter directory, or with `merge` as a full model
+    A LoRA checkpoint (raysft.products.adapters) exports as a peft adapter directory, or with `merge` as a full model
     with the adapters merged into the base.
     The directory appears complete or not at all (written beside it, then renamed). An existing non-empty
     directory is replaced only with overwrite=True (`--force`), or with overwrite="export" when it is an earlier

@@ -41,7 +41,7 @@ def lora_config(lora: dict) -> LoraConfig:
 
 
 def write_adapter(adapters, lora: dict, out: Path, dtype: torch.dtype) -> None:
-    """`adapters`: a checkpoint's weight source (raysft.hf.export) holding the adapters only."""
+    """`adapters`: a checkpoint's weight source (raysft.products.export) holding the adapters only."""
     tensors = adapters.load(list(adapters.sizes))
     peft_names = {PEFT_PREFIX + name.replace(f".{ADAPTER}.", "."): t.to(dtype).contiguous()
                   for name, t in tensors.items()}
