@@ -13,13 +13,14 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import get_args
 
 import transformers
 
 import raysft
 from raysft.checkpoint import CHECKPOINT_PREFIX
 from raysft.checkpoint.retention import select_checkpoint
-from raysft.config import SCORERS, ConfigError, TrainConfig, best_mode, load_config
+from raysft.config import SCORERS, ConfigError, Precision, TrainConfig, best_mode, load_config
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.evals.runner import evaluate_model, is_checkpoint, summary
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
                           help="in a run directory: the newest checkpoint, the one of lowest eval loss, or a step")
     p_export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    p_export.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p_export.add_argument("--dtype", choices=get_args(Precision), default="fp32",
                           help="the exported weights' dtype (training keeps fp32; bf16 halves the export)")
     p_export.add_argument("--merge", action="store_true",
                           help="LoRA checkpoint: a full model with the adapters merged in (default: a peft adapter "

@@ -42,6 +42,7 @@ from raysft.checkpoint.trainable import check_adapter_names, check_saved_tensors
 from raysft.distributed.collectives import all_ranks, from_rank0
 from raysft.errors import ends_the_run
 from raysft.hf import shards as hf_shards
+from raysft.hf.dtypes import DTYPE_NAMES
 from raysft.hf.tensors import safetensors_tensors
 from raysft.hf.weights import WeightsFileError, read_local_slices
 from raysft.storage import Location, location
@@ -187,11 +188,6 @@ def _local_tensors(objs: TrainingObjects) -> list[torch.Tensor]:
     return [getattr(t, "_local_tensor", t) for t in found if isinstance(t, torch.Tensor)]
 
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
-
-
 def write_files(out_dir: Path, stem: str, tensors: dict[str, torch.Tensor],
                 metadata: dict[str, str] | None = None) -> dict[str, str]:
     """The tensors in files of about hf_shards.SHARD_BYTES, one after the other, and their index; returns
@@ -218,7 +214,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     for name in names:
         t = tensors[name]
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks

@@ -27,6 +27,7 @@ from raysft.config.sections import (
     MetricsConfig,
     ModelConfig,
     ParallelConfig,
+    Precision,
     RunConfig,
     ScalingConfig,
     TrainConfig,
@@ -38,7 +39,7 @@ from raysft.errors import ConfigError
 __all__ = [
     "ATTN_IMPLEMENTATIONS", "BUILTIN", "LOSS_SPIKE_MIN_HISTORY", "LOSS_SPIKE_WINDOW", "SCORERS", "TRACKERS",
     "CheckpointConfig", "ConfigError", "DataConfig", "DpoConfig", "GenEvalConfig", "LoraConfig", "MetricsConfig",
-    "ModelConfig", "ParallelConfig", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
+    "ModelConfig", "ParallelConfig", "Precision", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
     "best_mode", "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown",
     "sequence_layout",
 ]

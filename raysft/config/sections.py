@@ -18,6 +18,8 @@ from raysft.config.gen_eval import GenEvalConfig
 from raysft.storage import Location, location, native
 
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
+# The names of the dtypes a run computes in and an export writes (raysft.hf.dtypes gives each its torch dtype).
+Precision = Literal["fp32", "bf16", "fp16"]
 # train.loss_spike_factor's rule (raysft.training.step_guard): a spike is measured against the median loss of this
 # many recent applied steps, once this many have been applied (the first losses fall fast). A checkpoint holds those
 # losses (raysft.checkpoint.state), so the window bounds what a sound one holds.
@@ -170,7 +172,7 @@ class ParallelConfig:
     """PyTorch's FSDP names, all FSDP2 fully_shard on a device mesh (see "Choosing a sharding strategy")."""
     hsdp_shard_size: int = 0
     """HYBRID_SHARD shard-group size; 0 takes workers per node from Ray (wrong when logical nodes share an IP)."""
-    mixed_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    mixed_precision: Precision = "fp32"
     """Compute dtype; parameters and optimizer state stay fp32. fp16 turns on dynamic loss scaling."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of the gradient reduce-scatter / all-reduce."""

@@ -7,5 +7,6 @@ Modules, by role:
   shards    a model's tensors over files of about 5 GiB: the one reader and writer of `*.safetensors.index.json`
   weights   each rank's slices of named tensors, read from safetensors files into sharded parameters
   tensors   the one check of weights against the model reading them: every tensor, its shape, a dtype read right
+  dtypes    the one table of dtype names (the configuration's fp32/bf16/fp16, safetensors' F32/BF16/...) and sizes
   fingerprint  a cheap fingerprint of a model directory's weights (the base a run started from, in its identity)
 """

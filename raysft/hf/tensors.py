@@ -18,12 +18,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
-# The dtypes whose values a copy into a floating-point parameter keeps (exactly, or rounded as a cast rounds):
-# safetensors' names. Integers and fp8 are quantized codes that mean something only with their scales.
-CONVERTED = ("F32", "BF16", "F16", "F64")
-DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+from raysft.hf.dtypes import CONVERTED, dtype_name
 
 
 class Stored(NamedTuple):
@@ -32,10 +27,6 @@ class Stored(NamedTuple):
     file: str  # the file (or checkpoint) holding it, for messages
     shape: tuple[int, ...]
     dtype: str  # safetensors' name (F32, BF16, I8, F8_E4M3, ...)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def safetensors_tensors(files: Iterable[Path]) -> dict[str, Stored]:

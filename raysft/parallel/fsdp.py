@@ -8,7 +8,6 @@ in the mesh (layout), SHARD_GRAD_OP keeps the params unsharded between forward a
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -16,12 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from raysft.config import ParallelConfig
+from raysft.hf.dtypes import DTYPES
 from raysft.model.build import decoder_layer_classes
 from raysft.parallel.fp8 import convert_to_fp8, require_fp8
 from raysft.parallel.sequence import apply_sequence_parallel
-
-# The dtypes by the names the configuration and `raysft export --dtype` use: the one table of them.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig,

@@ -23,6 +23,7 @@ from torch import nn
 
 from raysft.checkpoint import CheckpointError
 from raysft.config import LoraConfig, ModelConfig
+from raysft.hf.dtypes import CONVERTED, stored_bytes
 from raysft.hf.files import check_config_file, check_model_dir
 from raysft.hf.fingerprint import changed_files, weights_fingerprint
 from raysft.model.build import build_full_model, check_pretrained_dir, tied_parameter_aliases
@@ -32,7 +33,6 @@ from raysft.model.seeded_init import INIT_SCHEME
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's names: the PeftModel's, of which the causal LM is base_model.model
-_FLOATING = ("F64", "F32", "F16", "BF16")
 
 
 def lora_config(lora: dict) -> LoraConfig:
@@ -97,11 +97,9 @@ class _SafetensorsDir:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
                     piece = f.get_slice(name)
-                    self.floating[name] = piece.get_dtype() in _FLOATING
-                    numel = 1
-                    for d in piece.get_shape():
-                        numel *= d
-                    self.sizes[name] = 4 * numel  # what the export counts in: fp32 (a bf16 base is upcast)
+                    self.floating[name] = piece.get_dtype() in CONVERTED
+                    # what the export counts in: fp32 (a bf16 base is upcast)
+                    self.sizes[name] = stored_bytes("F32", piece.get_shape())
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
@@ -114,7 +112,7 @@ class _SafetensorsDir:
 class _InMemory:
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
-        self.sizes = {n: t.numel() * 4 for n, t in tensors.items()}
+        self.sizes = {n: stored_bytes("F32", t.shape) for n, t in tensors.items()}  # in fp32, as the export counts
         self.floating = {n: t.is_floating_point() for n, t in tensors.items()}
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:

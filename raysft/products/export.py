@@ -31,12 +31,13 @@ from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
 from raysft.checkpoint.discovery import RUN_FILE
 from raysft.checkpoint.sharded import model_tensors
 from raysft.checkpoint.trainable import check_saved_tensors
+from raysft.config import Precision
 from raysft.data.labels import stop_token_ids
 from raysft.hf import shards as hf_shards
+from raysft.hf.dtypes import CONVERTED, DTYPES, stored_bytes
 from raysft.hf.tensors import Stored, safetensors_tensors
 from raysft.model.build import build_meta_model
 from raysft.model.lora import add_adapters
-from raysft.parallel.fsdp import DTYPES
 from raysft.products.adapters import lora_config, merged_weights, write_adapter
 from raysft.storage import Location, built_then_renamed, location, native
 
@@ -47,7 +48,7 @@ DEFAULT_SHARD_BYTES = hf_shards.SHARD_BYTES  # transformers' own default for sav
 
 def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathLike,
            overwrite: bool | Literal["export"] = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-           dtype: Literal["fp32", "bf16", "fp16"] = "fp32", merge: bool = False) -> Path:
+           dtype: Precision = "fp32", merge: bool = False) -> Path:
     """Write config, tokenizer, generation config and weights (safetensors, sharded with an index above
     max_shard_bytes), the weights in `dtype` (training keeps fp32 parameters; bf16 halves the export).
 
@@ -159,8 +160,9 @@ class _FullWeights:
         for path in dict.fromkeys(self.files.values()):
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    self.sizes[name] = _nbytes(f.get_slice(name))
-                    self.floating[name] = f.get_slice(name).get_dtype() in ("F64", "F32", "F16", "BF16")
+                    piece = f.get_slice(name)
+                    self.sizes[name] = stored_bytes(piece.get_dtype(), piece.get_shape())
+                    self.floating[name] = piece.get_dtype() in CONVERTED
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         tensors = {}
@@ -230,11 +232,3 @@ def write_generation_config(out: Path) -> None:
 
 def _is_dcp_file(name: str) -> bool:
     return name == ".metadata" or name.endswith(".distcp")
-
-
-def _nbytes(tensor_slice) -> int:
-    numel = 1
-    for d in tensor_slice.get_shape():
-        numel *= d
-    itemsize = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-    return numel * itemsize[tensor_slice.get_dtype()]

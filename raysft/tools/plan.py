@@ -39,6 +39,7 @@ from transformers import PretrainedConfig
 from raysft.checkpoint.checkpointer import FULL_SAVE_MAX_BYTES
 from raysft.checkpoint.memory import partners, resolve_memory_dir
 from raysft.config import ConfigError, TrainConfig
+from raysft.hf.dtypes import DTYPES
 from raysft.model.build import build_meta_model, decoder_layer_classes
 from raysft.model.lora import add_adapters
 from raysft.parallel.layout import ParallelDims
@@ -48,7 +49,6 @@ GiB, MiB = 2**30, 2**20
 # 80 GB under one name: not guessed.
 GPU_MEMORY_GB = {"H100": 80, "H200": 141, "H20": 96, "B200": 180, "L40S": 48, "L4": 24, "A10G": 24, "T4": 16,
                  "V100": 16}
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _ADAMW_BYTES = 8  # exp_avg and exp_avg_sq in fp32, per trained parameter
 _LOGITS_FP32_BYTES = 8  # the fp32 log-softmax and its gradient, per logit
 
@@ -130,7 +130,7 @@ def micro_batch_tokens(cfg: TrainConfig) -> int:
 def activation_bytes(cfg: TrainConfig, shape: ModelShape, tokens: int) -> float:
     """What backward needs of the forward, kept from it: per token, each layer's saved tensors, or only its input
     where the layer is checkpointed (plus one layer recomputed at a time)."""
-    p = BYTES[cfg.parallel.mixed_precision]
+    p = DTYPES[cfg.parallel.mixed_precision].itemsize
     per_layer = p * (10 * shape.hidden + 3 * shape.intermediate + 3 * shape.kv)
     ac = cfg.parallel.activation_checkpointing
     checkpointed = 0 if ac == "none" else math.ceil(shape.layers / (1 if ac == "full" else int(ac)))
@@ -168,7 +168,7 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
     `rank0_init`: why model.path's weights would be loaded whole by rank 0 (raysft.tools.architectures'
     initial_weights_fallback), None when each rank reads its slices."""
     s = shard_group(cfg, topology)
-    p, r = BYTES[cfg.parallel.mixed_precision], BYTES[cfg.parallel.reduce_dtype]
+    p, r = DTYPES[cfg.parallel.mixed_precision].itemsize, DTYPES[cfg.parallel.reduce_dtype].itemsize
     tokens = tokens or micro_batch_tokens(cfg)
     layer = shape.layer_params
     if cfg.parallel.sharding == "SHARD_GRAD_OP":
