@@ -23,12 +23,13 @@ from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import SCORERS, ConfigError, Precision, TrainConfig, best_mode, load_config
 from raysft.data import prepare_store, read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
-from raysft.evals.runner import evaluate_model, is_checkpoint, summary
+from raysft.evals.runner import evaluate_model, summary
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
 from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.products.chat_model import DEFAULT_MAX_NEW_TOKENS, ChatModel
+from raysft.products.directories import is_checkpoint
 from raysft.products.export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.storage import location
 from raysft.tools.architectures import KNOWN, initial_weights_fallback, plan_architecture

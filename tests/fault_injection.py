@@ -99,7 +99,7 @@ def _patch_checkpoint(module) -> None:
     import torch.distributed as dist
 
     import raysft.checkpoint.full as full
-    from raysft.checkpoint.manifest import MODEL_FILE
+    from raysft.hf.shards import MODEL_FILE
 
     start_save, write_safetensors = module.start_save, full.write_safetensors
 

@@ -25,8 +25,8 @@ from raysft.checkpoint import (
 )
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
+from raysft.hf.shards import MODEL_INDEX
 from raysft.launch.torchrun import launch
-from raysft.products.export import INDEX_FILE
 from raysft.training.trainer import Trainer
 
 
@@ -35,7 +35,7 @@ def test_export_streams_shards_with_an_index_that_transformers_loads(tmp_path, g
     cfg = run_config(tmp_path, "shards", **{"checkpoint.mode": "sharded", "train.max_steps": 3})
     gloo_pool.run(launch, cfg)
     out = raysft.export(cfg.run_dir / "checkpoint_00000003", tmp_path / "hf", max_shard_bytes=2**20)
-    index = json.loads((out / INDEX_FILE).read_text())
+    index = json.loads((out / MODEL_INDEX).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and all((out / s).stat().st_size <= 2**20 + 2**16 for s in shards)
     assert not any(p.suffix == ".distcp" or p.name in ("trainer_state.json", MANIFEST_FILE) for p in out.iterdir())
@@ -208,10 +208,10 @@ def _split_full_saves(ctx, cfg, store: Path, out: Path) -> tuple[bool, bool, str
     misplaced = out / "misplaced"
     if ctx.rank == 0:
         shutil.copytree(cfg.run_dir / "checkpoint_00000002", misplaced)
-        index = json.loads((misplaced / INDEX_FILE).read_text())
+        index = json.loads((misplaced / MODEL_INDEX).read_text())
         first, last = next(iter(index["weight_map"])), list(index["weight_map"])[-1]
         index["weight_map"][first] = index["weight_map"][last]
-        (misplaced / INDEX_FILE).write_text(json.dumps(index))
+        (misplaced / MODEL_INDEX).write_text(json.dumps(index))
     dist.barrier()
     try:
         checkpointer.load(misplaced)
@@ -233,7 +233,7 @@ def test_a_full_checkpoint_in_files_with_an_index_resumes_exports_and_loads_in_t
     cfg.run_dir.mkdir(parents=True)
     outcomes = gloo_pool.run(_split_full_saves, cfg, store, tmp_path)
     assert [o[:2] for o in outcomes] == [(True, True)] * 2
-    assert outcomes[0][2].startswith(f"{tmp_path / 'misplaced' / INDEX_FILE}: tensor "), outcomes[0][2]
+    assert outcomes[0][2].startswith(f"{tmp_path / 'misplaced' / MODEL_INDEX}: tensor "), outcomes[0][2]
     assert "is not where the index says" in outcomes[0][2]
     assert outcomes[1][2].startswith(f"{tmp_path / 'misplaced'}: rank 0 could not read the full checkpoint: ")
     split, single = cfg.run_dir / "checkpoint_00000002", cfg.run_dir / "checkpoint_00000003"

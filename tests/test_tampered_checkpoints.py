@@ -33,9 +33,10 @@ from raysft.cli import main
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.hf import shards as hf_shards
+from raysft.hf.shards import MODEL_INDEX
 from raysft.launch.prelaunch import claim_run_dir
 from raysft.products.chat_model import ChatModel
-from raysft.products.export import EXPORT_FILE, INDEX_FILE, export
+from raysft.products.export import EXPORT_FILE, export
 from raysft.training.trainer import Trainer, WorkerContext
 
 
@@ -307,7 +308,7 @@ def norm_of_int8(tensors):
 
 
 WRONG_FULL = {  # the edit, and what the refusal says after the file it names
-    without_the_norm: (lambda ckpt, files: ckpt / INDEX_FILE,
+    without_the_norm: (lambda ckpt, files: ckpt / MODEL_INDEX,
                        "tensor 'model.norm.weight' of the model is in none of the files"),
     norm_of_129: (lambda ckpt, files: ckpt / files[1],
                   r"tensor 'model.norm.weight' has shape \[129\], the model's is \[128\]"),

@@ -30,7 +30,7 @@ from raysft.checkpoint.discovery import (
 )
 from raysft.checkpoint.full import local_copy
 from raysft.checkpoint.layouts import TRAINING_FILES, load, save, start_save
-from raysft.checkpoint.manifest import MANIFEST_FILE, MODEL_FILE, incomplete_reason, is_payload, read_manifest
+from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason, is_payload, read_manifest
 from raysft.checkpoint.sharded import read_index
 from raysft.checkpoint.sinks import (
     STAGING_DIR,
@@ -45,7 +45,7 @@ from raysft.checkpoint.state import STATE_FILE, CheckpointError, TrainingObjects
 from raysft.errors import CheckpointSaveError, NonFiniteStateError
 
 __all__ = [
-    "CHECKPOINT_PREFIX", "MANIFEST_FILE", "MODEL_FILE", "STAGING_DIR", "STATE_FILE", "TRAINING_FILES",
+    "CHECKPOINT_PREFIX", "MANIFEST_FILE", "STAGING_DIR", "STATE_FILE", "TRAINING_FILES",
     "CheckpointError", "CheckpointSaveError", "Checkpointer", "DirectorySink", "NonFiniteStateError", "ScratchSink",
     "Sink", "TrainState", "TrainingObjects", "UploadSink", "auto_mode", "checkpoint_dirs", "checkpoint_name",
     "choose_mode", "clear_scratch", "existing_checkpoint_names", "find_resume_dir", "incomplete_reason", "is_payload",

@@ -285,8 +285,7 @@ def _check_headers(ckpt_dir: Path, objs: TrainingObjects) -> None:
 
 def check_model_tensors(ckpt_dir: Path, files: dict[str, Path], objs: TrainingObjects) -> None:
     """Every tensor of the model in the model files, of its shape and a dtype read correctly (headers only)."""
-    index = ckpt_dir / hf_shards.index_name("model")
-    where = index if index.is_file() else ckpt_dir / "model.safetensors"
+    where = hf_shards.naming_file(ckpt_dir, "model")
     check_saved_tensors(objs.model, safetensors_tensors(dict.fromkeys(files.values())), str(where))
 
 

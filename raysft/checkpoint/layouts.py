@@ -12,7 +12,7 @@ import torch.distributed as dist
 from raysft.checkpoint import full, sharded
 from raysft.checkpoint.background import chain, run_now
 from raysft.checkpoint.full import OPTIMIZER_META_FILE
-from raysft.checkpoint.manifest import MANIFEST_FILE, OPTIMIZER_FILE, durable_file_list, write_manifest
+from raysft.checkpoint.manifest import MANIFEST_FILE, durable_file_list, write_manifest
 from raysft.checkpoint.state import (
     RNG_FILE,
     STATE_FILE,
@@ -27,6 +27,7 @@ from raysft.checkpoint.state import (
 )
 from raysft.distributed.collectives import count_ranks
 from raysft.errors import CheckpointSaveError
+from raysft.hf.shards import OPTIMIZER_FILE
 from raysft.storage import Location
 
 # each: save(out_dir, objs, asynchronous) -> Future of {file: sha256} hashed while written; load(ckpt_dir, objs)

@@ -7,23 +7,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import BinaryIO
 
 from raysft.checkpoint.state import FORMAT_VERSION, CheckpointError
-from raysft.hf.shards import is_tensor_file
+from raysft.hf.shards import dcp_shard_rank, is_dcp_shard, is_tensor_file
 from raysft.storage import Location, location
 
 MANIFEST_FILE = "manifest.json"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.safetensors"
-_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def is_payload(name: str) -> bool:
     """The big files: weights and optimizer state (DCP shards or safetensors), all but the small ones."""
-    return name.endswith(".distcp") or is_tensor_file(name)
+    return is_dcp_shard(name) or is_tensor_file(name)
 
 
 def read_manifest(ckpt_dir: Path | Location) -> dict:
@@ -130,8 +126,8 @@ def fsync(path: Path) -> None:
 
 def _owned_by(name: str, rank: int) -> bool:
     """In a directory every rank writes into: rank r writes its DCP shard file __<r>_<n>.distcp, rank 0 the rest."""
-    match = _SHARD_FILE.fullmatch(name)
-    return int(match[1]) == rank if match else rank == 0
+    writer = dcp_shard_rank(name)
+    return writer == rank if writer is not None else rank == 0
 
 
 class HashingWriter:

@@ -30,7 +30,9 @@ from raysft.checkpoint.dcp_read import SafeLoadPlanner, UnsafeCheckpointData, dc
 from raysft.checkpoint.manifest import HashingWriter
 from raysft.checkpoint.state import CheckpointError, TrainingObjects
 from raysft.checkpoint.trainable import check_saved_tensors, state_dict_options
-from raysft.hf.tensors import Stored, dtype_name
+from raysft.hf.dtypes import dtype_name
+from raysft.hf.shards import DCP_INDEX, is_dcp_shard
+from raysft.hf.tensors import Stored
 from raysft.storage import Location
 
 
@@ -58,7 +60,7 @@ class _HashingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         with super().create_stream(path, mode) as stream:
-            if mode != "wb" or not str(path).endswith(".distcp"):
+            if mode != "wb" or not is_dcp_shard(str(path)):
                 yield stream
                 return
             hashing = HashingWriter(stream)
@@ -92,7 +94,7 @@ def load(ckpt_dir: Path | Location, objs: TrainingObjects) -> None:
     model_sd, optim_sd = get_state_dict(objs.model, objs.optimizer, options=options)
     reader = dcp_reader(ckpt_dir)
     index = read_index(ckpt_dir, reader)  # a refused index, said plainly (DCP's own reading would bury it)
-    check_saved_tensors(objs.model, model_tensors(index, ckpt_dir), f"{ckpt_dir}/.metadata")
+    check_saved_tensors(objs.model, model_tensors(index, ckpt_dir), f"{ckpt_dir}/{DCP_INDEX}")
     try:
         # the optimizer's state only: its parameter groups stay this launch's (restore_trainer_state)
         dcp.load({"model": model_sd, "optimizer": {"state": optim_sd["state"]}}, storage_reader=reader,
@@ -112,7 +114,7 @@ def read_index(ckpt_dir: Path | Location, reader: FileSystemReader | None = None
 
 def model_tensors(index: Metadata, ckpt_dir: Path | Location) -> dict[str, Stored]:
     """The model tensors a DCP index lists, as raysft.hf.tensors describes stored tensors."""
-    return {key.removeprefix("model."): Stored(f"{ckpt_dir}/.metadata", tuple(m.size), dtype_name(m.properties.dtype))
+    return {key.removeprefix("model."): Stored(f"{ckpt_dir}/{DCP_INDEX}", tuple(m.size), dtype_name(m.properties.dtype))
             for key, m in index.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from raysft.checkpoint import STATE_FILE, read_trainer_state
+from raysft.checkpoint import read_trainer_state
 from raysft.checkpoint.gen_record import (
     GEN_PREFIX,
     RECORD_FORMAT,
@@ -38,6 +38,7 @@ from raysft.config import GenEvalConfig
 from raysft.evals.engines import EvalTimeout, open_engine, resolve_engine
 from raysft.evals.evalset import EvalSample, eval_set_sha256, read_eval_set
 from raysft.evals.scorers import score
+from raysft.products.directories import is_checkpoint
 from raysft.products.export import export
 from raysft.storage import Location, location
 
@@ -50,10 +51,6 @@ def evaluation_key(settings: GenEvalConfig, system_prompt: str, engine: str) -> 
     if engine == "vllm" or settings.temperature > 0:  # a greedy hf answer is its prompt's alone (no padding)
         generation["batch_size"] = settings.batch_size  # vLLM's batching and a batch's seeded sampling are not
     return {**generation, "path": eval_set_sha256(settings.path), "system_prompt": system_prompt, "engine": engine}
-
-
-def is_checkpoint(path: str | Path | Location) -> bool:
-    return (location(path) / STATE_FILE).is_file()
 
 
 @contextlib.contextmanager

@@ -16,15 +16,12 @@ from typing import Any
 from safetensors import safe_open
 
 from raysft.errors import ModelDirError
-from raysft.hf.shards import index_name, read_weight_map
+from raysft.hf.shards import DCP_SUFFIX, MODEL_INDEX, read_weight_map
 
 # The safetensors library's own limit on a header (its MAX_HEADER_SIZE): a larger length field is no real header.
 MAX_HEADER_BYTES = 100_000_000
-INDEX_FILE = index_name("model")
 # The files whose `auto_map` asks transformers to import Python modules from the directory.
 CODE_NAMING_FILES = ("config.json", "tokenizer_config.json", "processor_config.json")
-DCP_SUFFIX = ".distcp"  # each rank's part of a sharded checkpoint (torch.distributed.checkpoint's file names)
-
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -88,7 +85,7 @@ def check_model_dir(directory: Path) -> None:
 
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files the directory's index lists (each inside the directory and present), or all of them."""
-    index = directory / INDEX_FILE
+    index = directory / MODEL_INDEX
     if not index.is_file():
         return sorted(directory.glob("*.safetensors"))
     weight_map = read_weight_map(index, ModelDirError, read_json)

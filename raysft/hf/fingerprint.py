@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 
 from raysft.errors import ModelDirError
-from raysft.hf.files import INDEX_FILE, weight_files
+from raysft.hf.files import weight_files
+from raysft.hf.shards import MODEL_INDEX
 
 WINDOW_BYTES = 4096
 WINDOWS = 3  # a tensor's start, middle and end
@@ -27,7 +28,7 @@ WINDOWS = 3  # a tensor's start, middle and end
 
 def weights_fingerprint(directory: Path) -> dict[str, str]:
     """{file name: sha256} of config.json, the index (if any) and a sample of each safetensors weight file."""
-    small = [directory / name for name in ("config.json", INDEX_FILE) if (directory / name).is_file()]
+    small = [directory / name for name in ("config.json", MODEL_INDEX) if (directory / name).is_file()]
     fingerprint = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in small}
     for path in weight_files(directory):
         fingerprint[path.name] = sampled_digest(path)

@@ -5,9 +5,12 @@ optimizer state has the stem "optimizer", the same layout, so a rank resuming re
 way. What fits one group is one `{stem}.safetensors` and no index, as save_pretrained writes a small model; both
 layouts load and export alike.
 
-SHARD_BYTES is transformers' own default for save_pretrained (5 GiB), so a 70B model's 280 GB of fp32 weights
-is some 53 files rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save
-gathers one tensor at a time whatever file it goes into (raysft.checkpoint.full).
+SHARD_BYTES is transformers' own default for save_pretrained, so a large model's fp32 weights are many files
+rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save gathers one tensor at a
+time whatever file it goes into (raysft.checkpoint.full).
+
+The names of a checkpoint's tensor files are all here, so that every module telling them apart asks here: these, and
+a sharded checkpoint's (torch.distributed.checkpoint's: each rank's `__<rank>_0.distcp` and the index `.metadata`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from raysft.hf.weights import tensor_files
 SHARD_BYTES = 5 * 2**30
 STEMS = ("model", "optimizer")
 _TENSOR_FILE = re.compile(r"(model|optimizer)(-\d{5}-of-\d{5})?\.safetensors")
+DCP_SUFFIX = ".distcp"  # each rank's part of a sharded checkpoint
+DCP_INDEX = ".metadata"  # rank 0's index of them
+_DCP_SHARD = re.compile(rf"__(\d+)_\d+{re.escape(DCP_SUFFIX)}")  # the parts DCP's FileSystemWriter names
 
 
 def is_tensor_file(name: str) -> bool:
@@ -30,8 +36,39 @@ def is_tensor_file(name: str) -> bool:
     return _TENSOR_FILE.fullmatch(name) is not None
 
 
+def is_dcp_shard(name: str) -> bool:
+    """A rank's part of a sharded checkpoint (torch.distributed.checkpoint's), not the index."""
+    return name.endswith(DCP_SUFFIX)
+
+
+def is_dcp_file(name: str) -> bool:
+    """A sharded checkpoint's part or its index."""
+    return name == DCP_INDEX or is_dcp_shard(name)
+
+
+def dcp_shard_rank(name: str) -> int | None:
+    """The rank that wrote a DCP part `__<rank>_<n>.distcp` (None for any other name)."""
+    match = _DCP_SHARD.fullmatch(name)
+    return int(match[1]) if match else None
+
+
 def index_name(stem: str) -> str:
     return f"{stem}.safetensors.index.json"
+
+
+def single_file(stem: str) -> str:
+    """The stem's one file, where its tensors fit one group (no index then)."""
+    return f"{stem}.safetensors"
+
+
+MODEL_FILE, MODEL_INDEX = single_file("model"), index_name("model")
+OPTIMIZER_FILE = single_file("optimizer")
+
+
+def naming_file(ckpt_dir: Path, stem: str) -> Path:
+    """The file that names all of the stem's tensors, for messages and checks: the index, or else the one file."""
+    index = ckpt_dir / index_name(stem)
+    return index if index.is_file() else ckpt_dir / single_file(stem)
 
 
 def is_layout_file(name: str) -> bool:
@@ -55,7 +92,7 @@ def group(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 def file_names(stem: str, count: int) -> list[str]:
     """save_pretrained's names: one file unnumbered, more numbered from 1 with the count."""
     if count == 1:
-        return [f"{stem}.safetensors"]
+        return [single_file(stem)]
     return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
@@ -72,7 +109,7 @@ def listed_files(ckpt_dir: Path, stem: str) -> list[str]:
     single file. Raises CheckpointError naming the index."""
     index = ckpt_dir / index_name(stem)
     if not index.is_file():
-        return [f"{stem}.safetensors"]
+        return [single_file(stem)]
     names = list(dict.fromkeys(read_weight_map(index).values()))
     bad = [n for n in names if not (isinstance(n, str) and is_tensor_file(n) and n.startswith(f"{stem}-"))]
     if bad:

@@ -28,7 +28,8 @@ import raysft.model.attention  # noqa: F401  (registers the "varlen" attention i
 from raysft.config import ConfigError, ModelConfig
 from raysft.distributed.collectives import all_ranks, from_rank0
 from raysft.errors import WeightsFileError
-from raysft.hf.files import INDEX_FILE, ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.hf.files import ModelDirError, check_config_file, check_model_dir, weight_files
+from raysft.hf.shards import MODEL_INDEX
 from raysft.hf.tensors import check_dtypes, check_tensors, safetensors_tensors, split_aliases
 from raysft.hf.weights import read_local_slices, tensor_files
 from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adapter
@@ -247,7 +248,7 @@ def check_pretrained(model: nn.Module, path: Path) -> None:
         check_dtypes(stored, WeightsFileError)
         return
     expected, aliases = split_aliases(_base_tensors(model))
-    index = path / INDEX_FILE
+    index = path / MODEL_INDEX
     where = index if index.is_file() else ", ".join(str(f) for f in files) or f"{path} (no safetensors files)"
     check_tensors(expected, stored, str(where), WeightsFileError, aliases)
 

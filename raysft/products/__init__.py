@@ -6,4 +6,5 @@ Modules, by role:
   adapters    a LoRA checkpoint -> a peft adapter directory, or merged into its base; loading what that writes
   chat_model  any model directory or checkpoint loaded to answer, greedy, with its chat template (`raysft chat`,
               the evaluation's hf engine)
+  directories what kind of directory a path is (checkpoint, adapters, model...): the one answer all of these act on
 """

@@ -24,13 +24,15 @@ from torch import nn
 from raysft.checkpoint import CheckpointError
 from raysft.config import LoraConfig, ModelConfig
 from raysft.hf.dtypes import CONVERTED, stored_bytes
-from raysft.hf.files import check_config_file, check_model_dir
+from raysft.hf.files import check_config_file, check_model_dir, weight_files
 from raysft.hf.fingerprint import changed_files, weights_fingerprint
+from raysft.hf.shards import MODEL_FILE
+from raysft.hf.weights import tensor_files
 from raysft.model.build import build_full_model, check_pretrained_dir, tied_parameter_aliases
 from raysft.model.lora import ADAPTER, peft_config
 from raysft.model.seeded_init import INIT_SCHEME
+from raysft.products.directories import ADAPTER_CONFIG, CONFIG_FILE, EXPORT_FILE, is_export
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's names: the PeftModel's, of which the causal LM is base_model.model
 
@@ -80,18 +82,14 @@ class _Merged:
 
 
 class _SafetensorsDir:
-    """The weights of a Hugging Face model directory, one file or sharded with an index, read lazily."""
+    """The weights of a Hugging Face model directory, one file or sharded with an index, read lazily: the files
+    training read the base from (raysft.hf.files.weight_files), each tensor where their headers put it."""
 
     def __init__(self, path: Path):
         check_model_dir(path)  # the base may have changed since training checked it
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            files = {name: path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
-        elif (path / "model.safetensors").is_file():
-            with safe_open(path / "model.safetensors", framework="pt") as f:
-                files = {name: path / "model.safetensors" for name in f.keys()}  # noqa: SIM118
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors (or index) to merge the adapters into")
+        files = tensor_files(weight_files(path))
+        if not files:
+            raise FileNotFoundError(f"{path}: no {MODEL_FILE} (or index) to merge the adapters into")
         self.files, self.sizes, self.floating = files, {}, {}
         for file in set(files.values()):
             with safe_open(file, framework="pt") as f:
@@ -151,7 +149,7 @@ def scratch_base(config_dir: Path, base: dict) -> nn.Module:
     weights than those the adapters were trained on, so it is refused."""
     from transformers import AutoConfig
 
-    check_config_file(config_dir / "config.json")
+    check_config_file(config_dir / CONFIG_FILE)
     if base.get("init") != INIT_SCHEME:
         raise CheckpointError(f"{config_dir}: its from-scratch base was initialized by scheme {base.get('init')!r}, "
                               f"this raysft initializes by {INIT_SCHEME!r}: the base would not be the one the "
@@ -168,15 +166,14 @@ def load_adapter_dir(path: Path) -> nn.Module:
     base_path = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if base_path:
         check_model_dir(Path(base_path))
-        if (path / "raysft_export.json").is_file():  # an adapter export of raysft: its base recorded
-            check_base_weights(json.loads((path / "raysft_export.json").read_text())["lora"]["base"])
+        if is_export(path):  # an adapter export of raysft: its base recorded
+            check_base_weights(json.loads((path / EXPORT_FILE).read_text())["lora"]["base"])
         check_pretrained_dir(Path(base_path))
         base = AutoModelForCausalLM.from_pretrained(base_path, local_files_only=True, trust_remote_code=False,
                                                     dtype=torch.float32)
     else:
-        export = path / "raysft_export.json"
-        if not export.is_file():
+        if not is_export(path):
             raise FileNotFoundError(f"{path}: an adapter directory without base_model_name_or_path in "
-                                    f"{ADAPTER_CONFIG} and without raysft_export.json: its base is unknown")
-        base = scratch_base(path, json.loads(export.read_text())["lora"]["base"])
+                                    f"{ADAPTER_CONFIG} and without {EXPORT_FILE}: its base is unknown")
+        base = scratch_base(path, json.loads((path / EXPORT_FILE).read_text())["lora"]["base"])
     return PeftModel.from_pretrained(base, str(path))

@@ -27,7 +27,8 @@ from raysft.checkpoint import (
 from raysft.data.labels import stop_token_ids
 from raysft.hf.files import check_model_dir
 from raysft.model.build import check_pretrained_dir
-from raysft.products.adapters import ADAPTER_CONFIG, load_adapter_dir
+from raysft.products.adapters import load_adapter_dir
+from raysft.products.directories import CONFIG_FILE, kind
 from raysft.products.export import check_checkpoint_tensors, export, full_checkpoint_tensors
 
 Message = dict[str, str]
@@ -46,7 +47,8 @@ class ChatModel:
         """An HF model directory as it is, or a raysft checkpoint: a full one is an HF directory once checked
         complete; a sharded one is exported to a temporary directory first (export checks it)."""
         path = Path(path).expanduser()
-        if (path / STATE_FILE).exists() or (path / MANIFEST_FILE).exists():
+        what = kind(path)
+        if what == "checkpoint":
             state = read_trainer_state(path)
             if state["mode"] == "sharded" or state.get("lora"):  # LoRA: the adapters merged into the base
                 with tempfile.TemporaryDirectory(prefix="raysft-chat-") as tmp, warnings.catch_warnings():
@@ -58,15 +60,15 @@ class ChatModel:
             stored, where = full_checkpoint_tensors(path)
             check_checkpoint_tensors(stored, path, None, where)  # as export checks it: CheckpointError
             return cls._from_hf_dir(path, weights_checked=True)
-        elif any((path / name).exists() for name in TRAINING_FILES):
+        elif what == "partial":
             raise CheckpointError(f"{path}: incomplete checkpoint: it holds training state "
                                   f"({', '.join(n for n in TRAINING_FILES if (path / n).exists())}) but neither "
                                   f"{MANIFEST_FILE} nor {STATE_FILE}, so its weights cannot be checked; use a "
                                   "complete checkpoint or an exported model")
-        elif (path / ADAPTER_CONFIG).is_file():  # a peft adapter directory (raysft export of a LoRA checkpoint)
+        elif what == "adapters":  # a peft adapter directory (raysft export of a LoRA checkpoint)
             return cls._from_hf_dir(path, load_adapter_dir(path))
-        elif not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: neither an HF model directory (no config.json) "
+        elif what is None:
+            raise FileNotFoundError(f"{path}: neither an HF model directory (no {CONFIG_FILE}) "
                                     f"nor a raysft checkpoint (no {STATE_FILE})")
         return cls._from_hf_dir(path)
 

@@ -28,7 +28,6 @@ from raysft.checkpoint import (
     read_trainer_state,
 )
 from raysft.checkpoint.dcp_read import SafeLoadPlanner, dcp_reader
-from raysft.checkpoint.discovery import RUN_FILE
 from raysft.checkpoint.sharded import model_tensors
 from raysft.checkpoint.trainable import check_saved_tensors
 from raysft.config import Precision
@@ -39,10 +38,9 @@ from raysft.hf.tensors import Stored, safetensors_tensors
 from raysft.model.build import build_meta_model
 from raysft.model.lora import add_adapters
 from raysft.products.adapters import lora_config, merged_weights, write_adapter
+from raysft.products.directories import EXPORT_FILE, is_export, run_or_checkpoint_in
 from raysft.storage import Location, built_then_renamed, location, native
 
-INDEX_FILE = hf_shards.index_name("model")
-EXPORT_FILE = "raysft_export.json"  # marks a directory raysft exported: which checkpoint, which step
 DEFAULT_SHARD_BYTES = hf_shards.SHARD_BYTES  # transformers' own default for save_pretrained
 
 
@@ -78,7 +76,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     with built_then_renamed(out) as tmp:  # an existing `out` was checked above: an earlier export
         for name in ckpt.files():  # config, generation config, tokenizer: whatever is not weights or training state
             if ("/" not in name and name not in TRAINING_FILES and not hf_shards.is_layout_file(name)
-                    and not _is_dcp_file(name)):
+                    and not hf_shards.is_dcp_file(name)):
                 (ckpt / name).download(tmp / name)
         with local_copy(ckpt, _is_model_file) if mode == "full" else contextlib.nullcontext() as local:
             weights = _FullWeights(local) if mode == "full" else _ShardedWeights(ckpt)
@@ -114,15 +112,13 @@ def check_export_target(out_dir: str | os.PathLike, overwrite: bool | Literal["e
         raise FileExistsError(f"{out} exists and is not a directory")
     if not any(out.iterdir()):
         return
-    for marker in (RUN_FILE, "trainer_state.json"):
-        found = next(out.rglob(marker), None)
-        if found is not None:
-            raise FileExistsError(f"{out} holds a raysft {'run' if marker == RUN_FILE else 'checkpoint'} "
-                                  f"({found.parent}): raysft never replaces it, even with --force")
-    if overwrite is True or (overwrite == "export" and (out / EXPORT_FILE).is_file()):
+    held = run_or_checkpoint_in(out)
+    if held is not None:
+        what, where = held
+        raise FileExistsError(f"{out} holds a raysft {what} ({where}): raysft never replaces it, even with --force")
+    if overwrite is True or (overwrite == "export" and is_export(out)):
         return
-    raise FileExistsError(f"{out} exists and is not empty"
-                          f"{'' if (out / EXPORT_FILE).is_file() else ' and is no raysft export'} "
+    raise FileExistsError(f"{out} exists and is not empty{'' if is_export(out) else ' and is no raysft export'} "
                           "(pass overwrite=True / --force to replace it)")
 
 
@@ -144,10 +140,8 @@ def check_checkpoint_tensors(stored: dict[str, Stored], config_dir: Path, lora: 
 def full_checkpoint_tensors(ckpt: Path) -> tuple[dict[str, Stored], str]:
     """The model tensors of a full checkpoint's files as their headers describe them, and the file that names them
     all (the index, or the one file)."""
-    index = ckpt / INDEX_FILE
     files = hf_shards.tensor_map(ckpt, "model")
-    return safetensors_tensors(dict.fromkeys(files.values())), str(index if index.is_file() else
-                                                                    ckpt / "model.safetensors")
+    return safetensors_tensors(dict.fromkeys(files.values())), str(hf_shards.naming_file(ckpt, "model"))
 
 
 class _FullWeights:
@@ -182,7 +176,7 @@ class _ShardedWeights:
                      if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         self.sizes = {name: m.size.numel() * m.properties.dtype.itemsize for name, m in self.meta.items()}
         self.floating = {name: m.properties.dtype.is_floating_point for name, m in self.meta.items()}
-        self.where = f"{ckpt}/.metadata"
+        self.where = f"{ckpt}/{hf_shards.DCP_INDEX}"
         self.stored = model_tensors(metadata, ckpt)
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -229,6 +223,3 @@ def write_generation_config(out: Path) -> None:
     config.eos_token_id = stops[0] if len(stops) == 1 else stops
     config.save_pretrained(out)
 
-
-def _is_dcp_file(name: str) -> bool:
-    return name == ".metadata" or name.endswith(".distcp")
