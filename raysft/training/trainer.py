@@ -51,6 +51,7 @@ from raysft.training.metrics import (
     matmul_parameters,
     peak_memory_gb,
     peak_tflops,
+    regroup_rows,
     training_flops,
 )
 from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
@@ -164,7 +165,8 @@ class Trainer:
             if eval_reference else None  # before a checkpoint replaces the starting weights
         if snapshot is not None:
             self.state, held = self.memory.restore(snapshot)
-            self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in held]
+            self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in
+                                regroup_rows(held.rows, held.values, ctx.rank, ctx.world_size, held.same_world)]
             self.log.event("resume", step=self.state.step, tier="memory", world_size=ctx.world_size)
         elif resume_dir is not None:
             self.state = self.checkpointer.load(resume_dir)

@@ -7,9 +7,9 @@ is still as it was, for the stored checkpoint to load.
 
 On the same number of workers each rank gets back its own RNG state and metrics rows (every part carries every
 rank's); on another, as after a stored checkpoint's resume on another world size, the RNG streams keep their fresh
-seeding (they have no counterpart) and the held metrics rows go to rank 0, summed as the logged rows sum them
-(raysft.training.metrics.regroup_rows), so the rows of the steps before the snapshot are logged as they would
-have been.
+seeding (they have no counterpart). The metrics rows every old rank held are handed back as the snapshot carries
+them (HeldRows): the training loop regroups them over its ranks (raysft.training.metrics.regroup_rows), so the rows
+of the steps before the snapshot are logged as they would have been.
 """
 
 from __future__ import annotations
@@ -28,7 +28,16 @@ from raysft.checkpoint.memory.files import finite_problem, flatten, header_probl
 from raysft.checkpoint.memory.reshard import assemble
 from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state
 from raysft.checkpoint.trainable import state_dict_options
-from raysft.training.metrics import regroup_rows
+
+
+@dataclass
+class HeldRows:
+    """The metrics rows every old rank held, not yet reduced and logged, as a snapshot carries them: [start, host]
+    per rank and step, and the device values per rank and step; `same_world` whether the ranks are the same."""
+
+    rows: list[list]
+    values: list[list[list[float]]]
+    same_world: bool
 
 
 @dataclass
@@ -66,9 +75,9 @@ def read(plan: Plan, rank: int, world_size: int, paths: dict[int, Path], state: 
     return (None, f"{first}: {problem}") if problem else (Found(plan.step, same_world, header, tensors), None)
 
 
-def apply(objs: TrainingObjects, found: Found, rank: int, world_size: int) -> tuple[TrainState, list]:
+def apply(objs: TrainingObjects, found: Found, rank: int) -> tuple[TrainState, HeldRows]:
     """Collective: copy the shards into the model and optimizer, and the RNG states back (same world size). Returns
-    the state to go on from and this rank's metrics rows held with the snapshot."""
+    the state to go on from and the metrics rows held with the snapshot."""
     model_sd, optim_sd = state_dicts(objs)
     for name, target in flatten(model_sd, optim_sd).items():
         local = target.to_local() if isinstance(target, DTensor) else target
@@ -80,7 +89,7 @@ def apply(objs: TrainingObjects, found: Found, rank: int, world_size: int) -> tu
         if f"rng.cuda.{rank}" in found.tensors and torch.cuda.is_available():
             torch.cuda.set_rng_state(found.tensors[f"rng.cuda.{rank}"])
     header = found.header
-    held = regroup_rows(header["metrics_rows"], header["metrics_values"], rank, world_size, found.same_world)
+    held = HeldRows(header["metrics_rows"], header["metrics_values"], found.same_world)
     return restore_trainer_state(header["trainer_state"], objs), held
 
 

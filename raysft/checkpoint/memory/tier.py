@@ -41,7 +41,7 @@ from raysft.checkpoint.memory.directory import (
 )
 from raysft.checkpoint.memory.discovery import Held, Plan, list_parts, plan_resume
 from raysft.checkpoint.memory.files import FORMAT, flatten, state_dicts, write_part
-from raysft.checkpoint.memory.restore import Found, apply, read
+from raysft.checkpoint.memory.restore import Found, HeldRows, apply, read
 from raysft.checkpoint.memory.staging import Stager
 from raysft.checkpoint.memory.transport import Transport
 from raysft.checkpoint.state import TrainingObjects, TrainState, trainer_state_dict
@@ -309,7 +309,7 @@ class MemoryTier:
                 f" (the snapshot of step {plan.step} is set aside)"
         return found, ""
 
-    def restore(self, found: Found) -> tuple[TrainState, list]:
+    def restore(self, found: Found) -> tuple[TrainState, HeldRows]:
         """Collective: apply the snapshot `find` returned, each rank its own shards. Returns the state to go on from
-        and this rank's metrics rows held with it (raysft.checkpoint.memory.restore)."""
-        return apply(self.objs, found, self.rank, self.world_size)
+        and the metrics rows every rank held with it (raysft.checkpoint.memory.restore)."""
+        return apply(self.objs, found, self.rank)
