@@ -1,8 +1,11 @@
 """The package layout keeps its shape: imports flow one way (no circle, not even through an import inside a
-function), and the commands that need no cluster (export, chat, report, prepare) never import Ray."""
+function; packages import only those below them in PACKAGE_ORDER, but for at most MAX_BACK_ARROWS), one module
+parses the safetensors index, and the commands that need no cluster (export, chat, report, prepare) never import
+Ray."""
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -124,6 +127,73 @@ def test_raysft_imports_have_no_circle():
     found = cycles(import_graph())
     assert not found, "import circles (a lower module imports a higher one): " + "; ".join(
         " -> ".join(c) for c in found)
+
+
+# The packages from the bottom up (raysft/__init__'s docstring gives the same order): a package imports only those
+# before it. The top level's modules: errors at the bottom, the CLI, the entry points and the package's face on top.
+PACKAGE_ORDER = ("errors", "storage", "config", "distributed", "hf", "data", "model", "parallel", "checkpoint",
+                 "training", "products", "evals", "tools", "launch", "cli")
+TOP_LEVEL_PACKAGE = {"raysft": "cli", "raysft.__main__": "cli", "raysft.cli": "cli", "raysft.run": "cli",
+                     "raysft.errors": "errors"}
+MAX_BACK_ARROWS = 2
+
+
+def package_of(module: str) -> str:
+    return TOP_LEVEL_PACKAGE.get(module) or module.split(".")[1]
+
+
+def back_arrows(graph: dict[str, set[str]], order: tuple[str, ...] = PACKAGE_ORDER) -> list[tuple[str, str]]:
+    """(importing module, imported package) for each import of a package later in `order` than the importer's."""
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted({(module, package_of(name)) for module, names in graph.items() for name in names
+                   if rank[package_of(name)] > rank[package_of(module)]})
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each package -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, names in graph.items():
+        packages.setdefault(package_of(module), set()).update(package_of(n) for n in names)
+    return {package: names - {package} for package, names in packages.items()}
+
+
+def test_back_arrows_and_package_graph_name_the_importing_module():
+    graph = {"raysft.hf.a": {"raysft.model.b"}, "raysft.model.b": {"raysft.hf.c", "raysft.errors"},
+             "raysft.hf.c": set(), "raysft.errors": set()}
+    assert back_arrows(graph) == [("raysft.hf.a", "model")]
+    assert package_graph(graph) == {"hf": {"model"}, "model": {"hf", "errors"}, "errors": set()}
+    assert cycles(package_graph(graph)) == [["hf", "model", "hf"]]
+
+
+def test_every_package_has_its_place_in_the_order():
+    """A new package must be placed in PACKAGE_ORDER (and raysft/__init__'s docstring), not slip past the check."""
+    placed = {package_of(module) for module in import_graph()}
+    assert placed <= set(PACKAGE_ORDER), f"packages not in PACKAGE_ORDER: {sorted(placed - set(PACKAGE_ORDER))}"
+    face = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())) or ""
+    order = next(part for part in face.split("\n\n") if "→" in part)
+    named = re.findall(rf"\b({'|'.join(PACKAGE_ORDER)})\b", re.sub(r"\([^)]*\)", "", order))
+    assert named == list(PACKAGE_ORDER[:-1]), f"raysft/__init__'s docstring gives another order: {named}"
+
+
+def test_packages_import_only_those_below_them_and_form_no_circle():
+    """Arrows run one way: the file format (hf) below the checkpoint and the model, the products built on them
+    (export, adapters) above both; a package importing one above it is named with the module that does it."""
+    graph = import_graph()
+    found = back_arrows(graph)
+    assert len(found) <= MAX_BACK_ARROWS, f"{len(found)} imports run back up the package order (at most " \
+        f"{MAX_BACK_ARROWS}): " + "; ".join(f"{module} -> {package}" for module, package in found)
+    circles = cycles(package_graph(graph))
+    assert not circles, "package circles: " + "; ".join(" -> ".join(c) for c in circles) + " (through " + \
+        "; ".join(f"{module} -> {package}" for module, package in found) + ")"
+
+
+def test_one_module_parses_the_safetensors_index():
+    """`*.safetensors.index.json` is read in one place (raysft.hf.shards.read_weight_map): a module that reads an
+    index's weight_map itself would check its names by rules of its own."""
+    readers = sorted(_module_name(p) for p in PACKAGE.rglob("*.py")
+                     if any(isinstance(node, ast.Constant) and node.value == "weight_map"
+                            for node in ast.walk(ast.parse(p.read_text()))))
+    assert readers == ["raysft.hf.shards"], f"modules that read a weight_map: {readers}"
 
 
 RAY_FREE = textwrap.dedent("""

@@ -4,7 +4,7 @@ that transformers (and any safetensors reader) loads as it is:
     config.json, model*.safetensors, tokenizer files     the model
     optimizer*.safetensors, optimizer.json               AdamW state by parameter name, and the param groups
 
-each in files of at most about 5 GiB with an index, as HF writes large models (raysft.hf.shards).
+each in files of at most hf.shards.SHARD_BYTES with an index, as HF writes large models (raysft.hf.shards).
 
 Saving streams: each tensor is gathered whole, one at a time, and rank 0 writes it into its place in its file
 before the next is gathered, so no rank holds more than its shards and one tensor (the safetensors header, all

@@ -4,7 +4,8 @@ raysft.products.
 
 Modules, by role:
   files     checks on a model or tokenizer directory before transformers reads it (no code, sound headers)
-  shards    a model's tensors over files of about 5 GiB: the one reader and writer of `*.safetensors.index.json`
+  shards    a model's tensors over files of SHARD_BYTES (HF's default), the names of a checkpoint's tensor files
+            (DCP's too): the one reader and writer of `*.safetensors.index.json`
   weights   each rank's slices of named tensors, read from safetensors files into sharded parameters
   tensors   the one check of weights against the model reading them: every tensor, its shape, a dtype read right
   dtypes    the one table of dtype names (the configuration's fp32/bf16/fp16, safetensors' F32/BF16/...) and sizes

@@ -2,7 +2,7 @@
 
 Modules, by role:
   build        the model from `model.path` or `model.config`, sharded before it holds memory, then each rank's
-               weights (its slices of the safetensors files, or a seeded init); activation checkpointing
+               weights (its slices of the safetensors files, or a seeded init)
   seeded_init  a from-scratch model's values, per rank, the same on any topology
   attention    padding-free attention over packed rows (`model.attn_implementation: varlen`)
   lora         peft adapters injected before sharding, the base frozen
