@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from raysft.config import TrainConfig
-from raysft.data.dataloader import TokenizedDataset, collate, pair_rows, to_device
+from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, pair_rows, to_device
+from raysft.data.store import pairs_in
 from raysft.errors import CheckpointError
 from raysft.hf.fingerprint import weights_fingerprint
 from raysft.model.build import PRESETS
@@ -82,25 +83,19 @@ def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainCon
                       device: torch.device, pad_id: int) -> torch.Tensor:
     """Collective: every row's answer log-probability under `model` as it is now, without gradients, the model
     in eval mode and the RNG states put back afterwards. Each rank takes pairs rank, rank + W, ... in micro-batches
-    of train.micro_batch_size pairs; a rank with fewer runs its first one again (FSDP needs as many forwards
-    everywhere) and drops the result."""
-    pairs = np.arange(len(dataset) // 2)
-    per = cfg.train.micro_batch_size
-    shares = [pairs[r::world_size] for r in range(world_size)]
-    mine = [shares[rank][i : i + per] for i in range(0, len(shares[rank]), per)]
-    most = max(-(-len(s) // per) for s in shares)
+    of train.micro_batch_size pairs, as many as every other rank runs (lockstep_micro_batches)."""
+    pairs = np.arange(pairs_in(len(dataset)))
     logps = torch.zeros(len(dataset), dtype=torch.float64, device=device)
     cpu_rng = torch.get_rng_state()
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for i in range(most):
-                part = mine[i] if i < len(mine) else shares[rank][:1] if len(shares[rank]) else pairs[:1]
+            for part, real in lockstep_micro_batches(pairs, None, rank, world_size, cfg.train.micro_batch_size):
                 rows = pair_rows(part)
                 batch = pair_batch(collate(dataset, rows, pad_id, cfg.data.packing))
                 values, _ = sequence_logps(model, to_device(batch, device), len(rows))
-                if i < len(mine):
+                if real:
                     logps[torch.as_tensor(rows, device=device)] = values.double()
         dist.all_reduce(logps)
     finally:
