@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from raysft.hf.fingerprint import weights_fingerprint
 from raysft.model.build import PRESETS
 from raysft.model.preference_loss import sequence_logps
 from raysft.model.seeded_init import INIT_SCHEME
+from raysft.training.metrics import MetricsLogger
 from raysft.training.preference import pair_batch
 
 REFERENCE_DIR = "reference"
@@ -102,6 +104,23 @@ def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainCon
         model.train(was_training)
         torch.set_rng_state(cpu_rng)
     return logps.cpu()
+
+
+def reference_logps(path: Path, missing: bool, model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig,
+                    rank: int, world_size: int, device: torch.device, pad_id: int, log: MetricsLogger) -> torch.Tensor:
+    """Collective when `missing` (on some rank): the reference log-probabilities of every row of `dataset`'s store,
+    computed by a pass of the model as it is now (the starting weights) and written to `path` beside the store;
+    else read from there. Either way an event in the run's log says which."""
+    if missing:
+        start = time.perf_counter()
+        logps = compute_reference(model, dataset, cfg, rank, world_size, device, pad_id)
+        if rank == 0:
+            write_reference(path, logps, path.parent.parent, cfg)
+        dist.barrier()
+        log.event("reference_logps", file=str(path), rows=len(logps), seconds=round(time.perf_counter() - start, 3))
+        return logps
+    log.event("reference_logps", file=str(path), reused=True)
+    return read_reference(path, len(dataset))
 
 
 def write_reference(path: Path, logps: torch.Tensor, store: Path, cfg: TrainConfig) -> None:
