@@ -1,12 +1,11 @@
 """The training loop that runs on every worker. It needs torch.distributed, not Ray: Ray is plugged in through the
 checkpoint `sink` (progress and checkpoints, raysft.checkpoint) and `resume_dir` (the checkpoint to continue
 from). The loop is the same for every objective: SFT or DPO chooses its own loss, step and validation, once
-(raysft.training.objective)."""
+(raysft.training.objective); the Checkpointer chooses the state to go on from, across its tiers."""
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -16,11 +15,10 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, TrainState, find_resume_dir
-from raysft.checkpoint.discovery import read_run_id, read_set_aside, step_of
-from raysft.checkpoint.memory import MemoryTier
+from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, find_resume_dir
+from raysft.checkpoint.checkpointer import open_memory_tier
 from raysft.config import TrainConfig
-from raysft.data.dataloader import DataCursor, GlobalBatchSampler
+from raysft.data.dataloader import GlobalBatchSampler
 from raysft.data.tokenizer import load_tokenizer
 from raysft.model.build import (
     build_meta_model,
@@ -30,7 +28,6 @@ from raysft.model.build import (
     tied_parameter_aliases,
 )
 from raysft.model.lora import add_adapters, record
-from raysft.parallel.collectives import from_rank0
 from raysft.parallel.fsdp import parallelize
 from raysft.parallel.layout import ParallelDims, gather_node_ranks
 from raysft.training.gen_log import GenEvalLog
@@ -124,13 +121,12 @@ class Trainer:
         self.log = MetricsLogger(cfg.run_dir if ctx.rank == 0 else None, t.max_steps, t.log_every_n_steps)
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
-                                         preemption_deadline, stop_requested)
-        self.memory = self._memory_tier() if cfg.checkpoint.memory_every_n_steps else None
-        snapshot = self.memory.find(step_of(resume_dir) if resume_dir else None, self.dims) if self.memory else None
-        resuming = resume_dir is not None or snapshot is not None
+                                         preemption_deadline, stop_requested,
+                                         open_memory_tier(cfg, self.objs, ctx.node, self.dims, ctx.device, self.log))
+        resume = self.checkpointer.newest(resume_dir)  # the memory tier's snapshot or the stored checkpoint
         stores = [store] + ([eval_store] if eval_store else [])
         # LoRA checkpoints hold the adapters only; a reference pass reads the starting weights, also on a resume
-        if not resuming or cfg.model.lora.r or self.objective.needs_starting_weights(stores):
+        if not resume.found or cfg.model.lora.r or self.objective.needs_starting_weights(stores):
             fallback = load_initial_weights(self.model, cfg.model, self.hf_config, t.seed)
             if fallback:  # pretrained weights through rank 0's memory: say why, where the run's events are
                 self.log.event("weights_from_rank0", path=cfg.model.path, reason=fallback)
@@ -138,29 +134,13 @@ class Trainer:
         self.objective_step = self.objective.step(store, self.model, worker)
         # before the restore replaces the starting weights (a DPO reference pass)
         self.evaluator = self.objective.evaluator(eval_store, self.model, worker) if eval_store else None
-        if snapshot is not None:
-            self.state, held = self.memory.restore(snapshot)
-            self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in held]
-            self.log.event("resume", step=self.state.step, tier="memory", world_size=ctx.world_size)
-        elif resume_dir is not None:
-            self.state = self.checkpointer.load(resume_dir)
-            self.log.event("resume", step=self.state.step, checkpoint=str(resume_dir), world_size=ctx.world_size)
-        else:
-            self.state = TrainState(step=0, cursor=DataCursor(seed=t.seed))
-            self.log.event("start", world_size=ctx.world_size, checkpoint_mode=self.checkpointer.mode)
-        self.log.open_trackers(cfg, self.state.step if resuming else None)
+        self.state, self.totals.rows = self.checkpointer.restore(resume, t.seed)
+        self.log.open_trackers(cfg, self.state.step if resume.found else None)
         # rank 0 logs the generation evaluations of the checkpoints as they end (raysft.training.gen_log)
         self.gen_log = GenEvalLog(cfg.run_dir, self.log) if cfg.eval.path and ctx.rank == 0 else None
-        self.fresh = not resuming
+        self.fresh = not resume.found
         num_samples = self.objective.samples_in(len(self.objective_step.dataset))  # SFT's samples, DPO's pairs
         self.sampler = GlobalBatchSampler(num_samples, t.global_batch_size, self.state.cursor)
-
-    def _memory_tier(self) -> MemoryTier:
-        """Collective: the memory tier of this run on this worker's node (raysft.checkpoint.memory)."""
-        cfg = self.cfg
-        run_id, set_aside = from_rank0(lambda: (read_run_id(cfg.run_dir), read_set_aside(cfg.run_dir)))
-        return MemoryTier(self.objs, cfg.checkpoint, run_id, self.ctx.node or socket.gethostname(), self.dims,
-                          cfg.parallel.sharding, self.ctx.device, self.log, set_aside)
 
     def train(self) -> dict:
         t = self.cfg.train
@@ -191,17 +171,14 @@ class Trainer:
                 self.checkpointer.save(self.state, metrics, urgent=due.urgent)
             elif report:
                 self.sink.report({**metrics, "step": step}, step)
-            if self.memory is not None:
-                self.memory.snapshot(self.state, self.totals.rows)
+            self.checkpointer.snapshot(self.state, self.totals.rows)
             if self.stopped:
                 self.log.event("stopped", step=step, reason="SIGTERM", hint="launch again to continue")
                 break
             self.checkpointer.poll(step)
             if self.gen_log is not None:
                 self.gen_log.poll()
-        self.checkpointer.finish(self.state.step)
-        if self.memory is not None:  # ended by the launch itself: the stored checkpoint is the newest
-            self.memory.close(remove=True)
+        self.checkpointer.close(self.state.step)
         if self.state.step < t.max_steps and not self.stopped:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
@@ -247,8 +224,7 @@ class Trainer:
                 "peak_mem_gb": peak_memory_gb(ctx.device),
                 "flops": training_flops(result.lengths, self.matmul_params, c.num_hidden_layers, c.hidden_size)}
         host.update(skipped=skip is not None, skipped_steps=self.state.skipped_steps)
-        if self.memory is not None:  # snapshots passed over so far (raysft.checkpoint.memory: never silent)
-            host["memory_snapshots_skipped"] = self.memory.skipped
+        host.update(self.checkpointer.snapshot_metrics())  # the memory tier's skipped snapshots: never silent
         if loss_scale is not None:
             host["loss_scale"] = loss_scale
         if skip:
