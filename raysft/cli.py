@@ -21,7 +21,7 @@ import raysft
 from raysft.checkpoint import CHECKPOINT_PREFIX
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import SCORERS, ConfigError, Precision, TrainConfig, best_mode, load_config
-from raysft.data import prepare_store, read_manifest, store_files
+from raysft.data import read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.evals.runner import evaluate_model, summary
 from raysft.launch.paths import resolve_paths
@@ -38,6 +38,7 @@ from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, r
 from raysft.tools.report import draw, read_curves
 from raysft.training.gen_log import gen_scores, score_line
 from raysft.training.metrics import METRICS_FILE, ProgressBar
+from raysft.training.objective import objective_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,8 +179,7 @@ def _end_stopped(code: int) -> None:
 
 
 def _prepare(config: TrainConfig) -> int:
-    store = prepare_store(config.data, load_tokenizer(config.model, config.data.chat_template), config.store_dir,
-                          objective=config.train.objective, truncation_mode=config.dpo.truncation_mode)
+    store = objective_for(config).prepare_store(load_tokenizer(config.model, config.data.chat_template))
     counts = read_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
     if store.built_with == "ray":

@@ -41,7 +41,7 @@ def launch_on_nodes(ctx, cfg, nodes: list[str] | None = None, fresh: bool = Fals
 
     def train_step(self, *args, **kwargs):
         if die_after and self.state.step == die_after:
-            self.memory.finish()
+            self.checkpointer.memory.finish()
             if ctx.rank in dying:
                 os._exit(9)
         return real_step(self, *args, **kwargs)
@@ -77,8 +77,8 @@ def tier_patched(every_snapshot: bool = True, **replacements):
     real_step = Trainer.train_step
 
     def train_step(self, *args, **kwargs):
-        if self.memory is not None:
-            self.memory.finish()
+        if self.checkpointer.memory is not None:
+            self.checkpointer.memory.finish()
         return real_step(self, *args, **kwargs)
 
     for name, replacement in replacements.items():

@@ -13,7 +13,7 @@ from conftest import run_config, step_losses, tiny_config
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-import raysft.training.trainer
+import raysft.training.sft
 from raysft.checkpoint import (
     STATE_FILE,
     Checkpointer,
@@ -59,7 +59,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _skip_and_spike(ctx, cfg, store) -> dict:
-    real = raysft.training.trainer.micro_batch_loss_sum
+    real = raysft.training.sft.micro_batch_loss_sum
     trainer = Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx)
     for _ in range(8):  # eight applied steps: the spike guard's history
         trainer.train_step()
@@ -77,11 +77,11 @@ def _skip_and_spike(ctx, cfg, store) -> dict:
                                 ("inf_loss_on_rank0", lambda ce: ce + inf_only, {0}),
                                 ("spike", lambda ce: ce * 50.0, {0, 1})):
         before, cursor = _snapshot(trainer), trainer.sampler.cursor.state_dict()
-        raysft.training.trainer.micro_batch_loss_sum = poisoned(poison, ranks)
+        raysft.training.sft.micro_batch_loss_sum = poisoned(poison, ranks)
         try:
             metrics = trainer.train_step()
         finally:
-            raysft.training.trainer.micro_batch_loss_sum = real
+            raysft.training.sft.micro_batch_loss_sum = real
         out[name] = {"unchanged": _same(before, _snapshot(trainer)), "metrics": metrics,
                      "cursor_moved": trainer.sampler.cursor.state_dict() != cursor}
     before = _snapshot(trainer)
@@ -144,7 +144,7 @@ def test_lr_1e20_ends_the_run_naming_the_step_and_keeps_only_finite_checkpoints(
 def _launch_with_spikes(ctx, cfg, spikes: set[int]) -> dict:
     """raysft.launch.torchrun.launch with the loss (and so the gradients) of the steps in `spikes` 50 times what it
     is."""
-    real_loss, real_step = raysft.training.trainer.micro_batch_loss_sum, Trainer.train_step
+    real_loss, real_step = raysft.training.sft.micro_batch_loss_sum, Trainer.train_step
     current = [0]
 
     def train_step(self, *args, **kwargs):
@@ -155,11 +155,11 @@ def _launch_with_spikes(ctx, cfg, spikes: set[int]) -> dict:
         ce = real_loss(model, batch)
         return ce * 50.0 if current[0] in spikes else ce
 
-    raysft.training.trainer.micro_batch_loss_sum, Trainer.train_step = loss_sum, train_step
+    raysft.training.sft.micro_batch_loss_sum, Trainer.train_step = loss_sum, train_step
     try:
         return launch(ctx, cfg)
     finally:
-        raysft.training.trainer.micro_batch_loss_sum, Trainer.train_step = real_loss, real_step
+        raysft.training.sft.micro_batch_loss_sum, Trainer.train_step = real_loss, real_step
 
 
 def test_a_run_with_the_spike_guard_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,

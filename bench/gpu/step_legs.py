@@ -66,11 +66,12 @@ def tier_steps(trainer, steps: int, calls: list[float]) -> None:
     """`steps` steps of Trainer.train's loop with nothing else due: each step, then the tier's snapshot call with the
     steps' metrics not yet logged, as train() makes it; the duration of each call that took a snapshot into
     `calls`."""
+    memory = trainer.checkpointer.memory
     for _ in range(steps):
         trainer.train_step(reduce_metrics=False)
-        if trainer.memory is not None:
+        if memory is not None:
             start = time.perf_counter()
-            if trainer.memory.snapshot(trainer.state, trainer.totals.rows):
+            if memory.snapshot(trainer.state, trainer.totals.rows):
                 calls.append(time.perf_counter() - start)
 
 
@@ -78,6 +79,7 @@ def tier_run(plan: dict, s, ctx, name: str, sets: list[str]) -> dict:
     """One run: warm-up steps (the tier allocates and page-locks its buffer meanwhile), then the measured steps
     between two waits for the device."""
     trainer = build_trainer(s, ctx, name, sets)
+    memory = trainer.checkpointer.memory
     calls: list[float] = []
     try:
         trainer.model.train()
@@ -91,15 +93,15 @@ def tier_run(plan: dict, s, ctx, name: str, sets: list[str]) -> dict:
         record = {"steps": [first + 1, trainer.state.step], "step_s": seconds / plan["tier_steps"],
                   "snapshot_calls": len(calls), "snapshot_call_s": calls,
                   "snapshot_call_median_s": statistics.median(calls) if calls else None}
-        if trainer.memory is not None:
-            trainer.memory.finish()  # the last snapshot's file, written by the tier's thread, before its counts
-            record.update(taken=trainer.memory.taken, skipped=trainer.memory.skipped, off=trainer.memory.off,
-                          skip_reasons=sorted(trainer.memory.skip_reasons), staging_bytes=trainer.memory.stager.nbytes)
+        if memory is not None:
+            memory.finish()  # the last snapshot's file, written by the tier's thread, before its counts
+            record.update(taken=memory.taken, skipped=memory.skipped, off=memory.off,
+                          skip_reasons=sorted(memory.skip_reasons), staging_bytes=memory.stager.nbytes)
         return record
     finally:
-        if trainer.memory is not None:
-            trainer.memory.close(remove=True)  # its snapshots and page-locked buffer, before the next run's
-        del trainer
+        if memory is not None:
+            memory.close(remove=True)  # its snapshots and page-locked buffer, before the next run's
+        del trainer, memory
         free_memory()
 
 

@@ -201,7 +201,7 @@ def tune_budget(plan: dict, s: Setup, trainer) -> tuple[int, list[dict]]:
     budget that ran is kept."""
     tried = []
     for budget in token_budgets(plan, s):
-        trainer.cfg.train.micro_batch_tokens = budget  # read afresh at every step (Trainer._micro_batches)
+        trainer.cfg.train.micro_batch_tokens = budget  # read afresh at every step (SFTStep._micro_batches)
         try:
             tried.append({"micro_batch_tokens": budget, **measure(trainer, plan["tune_warmup"], plan["tune_steps"])})
         except torch.OutOfMemoryError as e:

@@ -1,8 +1,10 @@
 """Checkpoints of the whole training state, and the one object that takes them (`Checkpointer`).
 
 Modules, by role:
-  checkpointer  when to save (cadence, preemption notices, stop requests: Checkpointer.due), layout choice, one
-                save at a time in the background, commit through a Sink, load; no save of NaN or inf
+  checkpointer  the one entry to the training state across tiers: when to save (cadence, preemption notices, stop
+                requests: Checkpointer.due), layout choice, one save at a time in the background, commit through
+                a Sink; the memory tier's snapshots; at a launch, the newest whole state (snapshot or stored
+                checkpoint) and its restore; the snapshots removed when the run ends; no save of NaN or inf
   layouts       save/load of either layout; PendingSave: background write, then the manifest, on every rank
   full          an HF model directory plus the optimizer state, gathered a tensor at a time onto rank 0 and
                 written by it in files as HF writes a large model (raysft.hf.shards); resumed from each rank's slices
@@ -20,7 +22,7 @@ Modules, by role:
   gen_record    a checkpoint's generation-evaluation record beside it (eval/): scores, per-sample table, failures
 """
 
-from raysft.checkpoint.checkpointer import Checkpointer, auto_mode, choose_mode
+from raysft.checkpoint.checkpointer import Checkpointer, auto_mode, choose_mode, remove_snapshots
 from raysft.checkpoint.discovery import (
     CHECKPOINT_PREFIX,
     checkpoint_dirs,
@@ -49,5 +51,6 @@ __all__ = [
     "CheckpointError", "CheckpointSaveError", "Checkpointer", "DirectorySink", "NonFiniteStateError", "ScratchSink",
     "Sink", "TrainState", "TrainingObjects", "UploadSink", "auto_mode", "checkpoint_dirs", "checkpoint_name",
     "choose_mode", "clear_scratch", "existing_checkpoint_names", "find_resume_dir", "incomplete_reason", "is_payload",
-    "load", "local_copy", "read_index", "read_manifest", "read_trainer_state", "save", "scratch_root", "start_save",
+    "load", "local_copy", "read_index", "read_manifest", "read_trainer_state", "remove_snapshots", "save",
+    "scratch_root", "start_save",
 ]

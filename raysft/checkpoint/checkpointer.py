@@ -1,12 +1,15 @@
-"""The Checkpointer: the one object training talks to. It owns when to save, the layout (full or sharded, "auto"
-picks by size), one save at a time written in the background with checkpoint.async, committing it through a Sink,
-and loading a checkpoint back. Plain torch.distributed: the same code checkpoints under Ray and under torchrun."""
+"""The Checkpointer: the one object training talks to about its state, across both tiers. It owns when to save, the
+layout (full or sharded, "auto" picks by size), one save at a time written in the background with checkpoint.async,
+committing it through a Sink; the memory tier's snapshots (raysft.checkpoint.memory) and their removal once the run
+ends; and, at a launch, which whole state to go on from, the snapshot or the stored checkpoint, and restoring it.
+Plain torch.distributed: the same code checkpoints under Ray and under torchrun."""
 
 from __future__ import annotations
 
 import math
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +20,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from raysft.checkpoint.discovery import read_run_id, read_set_aside, step_of
 from raysft.checkpoint.layouts import PendingSave, load, start_save
+from raysft.checkpoint.memory import MemoryTier, remove_run
+from raysft.checkpoint.memory.restore import Found, HeldRows
 from raysft.checkpoint.sinks import Sink
 from raysft.checkpoint.state import TrainingObjects, TrainState
-from raysft.config import CheckpointConfig
+from raysft.config import CheckpointConfig, TrainConfig
+from raysft.data.dataloader import DataCursor
 from raysft.distributed.collectives import all_ranks, any_rank, count_ranks, from_rank0
 from raysft.errors import CheckpointSaveError, NonFiniteStateError
+from raysft.parallel.layout import ParallelDims
 from raysft.storage import Location
 
 FULL_SAVE_MAX_BYTES = 16 * 2**30  # "auto": the largest checkpoint that rank 0 writes alone (full)
@@ -113,10 +121,50 @@ class Due:
         return self.preempted or self.stop
 
 
+@dataclass(frozen=True)
+class Resume:
+    """The newest whole training state a launch goes on from (Checkpointer.newest): the memory tier's snapshot when
+    it is newer than the stored checkpoint, else the stored checkpoint, else neither (a fresh start)."""
+
+    snapshot: Found | None = None
+    stored: Path | Location | None = None
+
+    @property
+    def found(self) -> bool:
+        return self.snapshot is not None or self.stored is not None
+
+
+def open_memory_tier(cfg: TrainConfig, objs: TrainingObjects, node: str, dims: ParallelDims, device: torch.device,
+                     log) -> MemoryTier | None:
+    """Collective: the memory tier of this run on this worker's node (`node`; "": this host's name), for a
+    Checkpointer to own; None without checkpoint.memory_every_n_steps."""
+    if not cfg.checkpoint.memory_every_n_steps:
+        return None
+    run_id, set_aside = from_rank0(lambda: (read_run_id(cfg.run_dir), read_set_aside(cfg.run_dir)))
+    return MemoryTier(objs, cfg.checkpoint, run_id, node or socket.gethostname(), dims, cfg.parallel.sharding, device,
+                      log, set_aside)
+
+
+def remove_snapshots(run_dir: Path | Location, cfg: CheckpointConfig) -> str | None:
+    """The memory tier's snapshots of the run on this host, once the run ended however it did (the workers remove
+    them themselves at a normal end or a stop: Checkpointer.close): of no use then, and node-local shared memory is
+    freed by nobody else. Returns the run's id, for a launcher to remove them on its other hosts too; None when
+    nothing of the run was snapshotted (no memory tier, or no record of the run)."""
+    if not cfg.memory_every_n_steps:
+        return None
+    try:
+        run_id = read_run_id(run_dir)
+    except (OSError, ValueError):
+        return None
+    remove_run(cfg.memory_dir, run_id)
+    return run_id
+
+
 class Checkpointer:
     """Decides when to save (`due`: the cadence, preemption notices, stop requests) and saves the training state
-    into a Sink, one save at a time, in the background with checkpoint.async; loads it back. Collective where its
-    methods say so.
+    into a Sink, one save at a time, in the background with checkpoint.async; takes the memory tier's snapshots
+    (`memory`, from open_memory_tier); at a launch, finds the newest whole state (`newest`) and restores it. Collective
+    where its methods say so.
 
     `preemption_deadline` is collective and returns the same on every rank: None, or the time (epoch seconds) by
     which a node of this run will be taken away. A save is due as soon as it is heard of, and once more when the
@@ -127,8 +175,9 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, objs: TrainingObjects, sink: Sink, log, rank: int,
                  device: torch.device | None = None,
                  preemption_deadline: Callable[[], float | None] = lambda: None,
-                 stop_requested: Callable[[], bool] = lambda: False):
+                 stop_requested: Callable[[], bool] = lambda: False, memory: MemoryTier | None = None):
         self.cfg, self.objs, self.sink, self.log, self.rank = cfg, objs, sink, log, rank
+        self.memory = memory
         self.device = device or torch.device("cpu")  # of the notice checks' all-reduce: the process group's
         self.mode = choose_mode(cfg.mode, objs.model, cfg.async_save)
         self.pending: tuple[PendingSave, dict] | None = None  # a checkpoint still being written, its metrics
@@ -141,6 +190,47 @@ class Checkpointer:
 
     def load(self, ckpt_dir: Path | Location) -> TrainState:
         return load(ckpt_dir, self.objs)
+
+    def newest(self, stored: Path | Location | None) -> Resume:
+        """Collective: the whole training state this launch goes on from: the memory tier's newest whole snapshot if
+        it is newer than the stored checkpoint `stored` (the run's newest complete one: discovery.find_resume_dir),
+        else `stored`. Nothing is applied yet (`restore` does), so that what needs the starting weights (a
+        reference pass) reads them first."""
+        snapshot = self.memory.find(step_of(stored) if stored else None) if self.memory is not None else None
+        return Resume(snapshot, stored)
+
+    def restore(self, resume: Resume, seed: int) -> tuple[TrainState, HeldRows | None]:
+        """Collective: the training objects set to `resume`'s state, or a fresh state at step 0 (its data order from
+        `seed`) when it found none; an event in the run's log says which. Returns the state, and the metrics rows
+        every old rank held with a snapshot, not yet logged (the training loop regroups them over its ranks)."""
+        world_size = dist.get_world_size()
+        if resume.snapshot is not None:
+            state, held = self.memory.restore(resume.snapshot)
+            self.log.event("resume", step=state.step, tier="memory", world_size=world_size)
+            return state, held
+        if resume.stored is not None:
+            state = self.load(resume.stored)
+            self.log.event("resume", step=state.step, checkpoint=str(resume.stored), world_size=world_size)
+            return state, None
+        self.log.event("start", world_size=world_size, checkpoint_mode=self.mode)
+        return TrainState(step=0, cursor=DataCursor(seed=seed)), None
+
+    def snapshot(self, state: TrainState, held: list[tuple[float, dict, torch.Tensor]]) -> None:
+        """Collective with a memory tier: its snapshot of the step just taken, if one is due; `held` are the metrics
+        rows not yet logged, kept with it (MemoryTier.snapshot)."""
+        if self.memory is not None:
+            self.memory.snapshot(state, held)
+
+    def snapshot_metrics(self) -> dict:
+        """The memory tier's part of each step's metrics: the snapshots passed over so far (never silent)."""
+        return {"memory_snapshots_skipped": self.memory.skipped} if self.memory is not None else {}
+
+    def close(self, at_step: int) -> None:
+        """Collective, when this launch's training ends: commit the pending save, and remove the run's snapshots
+        (ended by the launch itself, the stored checkpoint is the newest)."""
+        self.finish(at_step)
+        if self.memory is not None:
+            self.memory.close(remove=True)
 
     def start_notice_checks(self, step: int) -> None:
         """The loop starts (or resumes) at `step`: step times for the notice checks are measured from here."""

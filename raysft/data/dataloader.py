@@ -142,6 +142,19 @@ def micro_batches(global_batch: np.ndarray, lengths: np.ndarray, rank: int, worl
     return rank_micro_batches(global_batch, rank, world_size, micro_batch_size)
 
 
+def lockstep_micro_batches(batch: np.ndarray, lengths: np.ndarray | None, rank: int, world_size: int,
+                           micro_batch_size: int, micro_batch_tokens: int = 0) -> list[tuple[np.ndarray, bool]]:
+    """This rank's micro-batches of `batch` (micro_batches' cut), as many as the rank that needs the most, each with
+    whether it is real. FSDP gathers the parameters in every forward, on every rank alike, so a rank with fewer runs
+    the batch's first sample again and drops what it computes (`real` False). A training step never needs that (its
+    ranks take as many samples, and as many micro-batches: token_budget_micro_batches); evaluation and the reference
+    pass, whose ranks may get fewer samples than others, do. `lengths` is read only with micro_batch_tokens."""
+    cuts = [micro_batches(batch, lengths, r, world_size, micro_batch_size, micro_batch_tokens)
+            for r in range(world_size)]  # a pure function: no communication
+    mine, most = cuts[rank], max((len(c) for c in cuts), default=0)
+    return [(m, True) for m in mine] + [(batch[:1], False)] * (most - len(mine))
+
+
 def rank_micro_batches(global_batch: np.ndarray, rank: int, world_size: int, micro_batch_size: int) -> list[np.ndarray]:
     share = global_batch[rank :: world_size]
     return [share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
@@ -189,7 +202,8 @@ def _first_fit_decreasing(items: list[int], lengths: np.ndarray, budget: int) ->
 def _split_until(bins: list[list[int]], count: int, lengths: np.ndarray) -> list[list[int]]:
     """Split the bin with the most tokens (of those with 2+ samples) in two until there are `count` bins. A rank of
     a training step has as many samples as any other, so it has enough for as many bins as any other needs; one
-    with fewer (an evaluation's last round) stops at one sample a bin, and the caller evens the counts out."""
+    with fewer (an evaluation's last round) stops at one sample a bin, and lockstep_micro_batches evens the counts
+    out."""
     bins = [list(b) for b in bins]
     while len(bins) < count and any(len(b) > 1 for b in bins):
         j = max((j for j, b in enumerate(bins) if len(b) > 1), key=lambda j: sum(int(lengths[i]) for i in bins[j]))

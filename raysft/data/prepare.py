@@ -21,11 +21,12 @@ from raysft.data.store import (
     DISK_FULL,
     PAIR_SCHEMA,
     STORE_FORMAT,
-    Objective,
+    ObjectiveName,
     Samples,
     Split,
     StoreInfo,
     appended_stop,
+    holds_pairs,
     labelling,
     no_usable_records,
     read_manifest,
@@ -38,7 +39,7 @@ from raysft.storage import built_then_renamed
 
 
 def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_root: Path,
-                  split: Split = "train", objective: Objective = "sft",
+                  split: Split = "train", objective: ObjectiveName = "sft",
                   before_writing: Callable[[str], None] | None = None,
                   truncation_mode: TruncationMode = DpoConfig.truncation_mode) -> StoreInfo:
     """Tokenize cfg.paths into `<store_root>/<fingerprint>` unless an identical store is already there.
@@ -69,7 +70,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
         **({"eval_split": [cfg.eval_fraction, split]} if cfg.eval_fraction else {}),
         **({"stop_after_last_turn": stop} if (stop := appended_stop(tokenizer)) else {}),
         **({"objective": objective, "pairs": PAIR_SCHEMA, "truncation_mode": truncation_mode}
-           if objective != "sft" else {}),
+           if holds_pairs(objective) else {}),
     }
     fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     store = store_root / fingerprint
@@ -81,7 +82,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
     if before_writing is not None:
         before_writing(fingerprint)
 
-    on_ray = objective == "sft" and use_ray(cfg.prepare, sum(s.bytes for s in sources))
+    on_ray = not holds_pairs(objective) and use_ray(cfg.prepare, sum(s.bytes for s in sources))
     # A directory without a manifest under the store's name is debris of a crash before the rename: replaced.
     try:
         with built_then_renamed(store, replace=lambda existing: not manifest_path.is_file(),
@@ -113,7 +114,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
 
 
 def _tokenize_here(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, sources: list[Source], out: Path,
-                   split: Split = "train", objective: Objective = "sft",
+                   split: Split = "train", objective: ObjectiveName = "sft",
                    truncation_mode: TruncationMode = DpoConfig.truncation_mode) -> dict:
     samples = Samples(tokenizer, cfg, objective, truncation_mode)
     for source in sources:

@@ -32,10 +32,22 @@ ROW_GROUP_BYTES = 256 << 10
 
 
 Split = Literal["train", "eval"]
-Objective = Literal["sft", "dpo"]
+ObjectiveName = Literal["sft", "dpo"]
 # A preference store (train.objective dpo): each pair is two consecutive rows, 2k its chosen sequence and 2k + 1 its
 # rejected one, both of the same source record; a bool column `chosen` says which is which.
 PAIR_SCHEMA = "rows 2k (chosen) and 2k+1 (rejected) of pair k"
+ROWS_PER_PAIR = 2
+
+
+def holds_pairs(objective: ObjectiveName) -> bool:
+    """Whether a store made for `objective` holds preference pairs (PAIR_SCHEMA) rather than a row per sample: the
+    data's one reading of the objective's name (the training side asks raysft.training.objective)."""
+    return objective == "dpo"
+
+
+def pairs_in(rows: int) -> int:
+    """The pairs of a preference store of `rows` rows (PAIR_SCHEMA)."""
+    return rows // ROWS_PER_PAIR
 
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota reached
@@ -91,15 +103,15 @@ class Samples:
     """Tokenized records, in input order, and the counts the manifest keeps. The local path feeds it every record,
     a Ray task one chunk's: the same code on both sides is what makes the two stores agree."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, objective: Objective = "sft",
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, objective: ObjectiveName = "sft",
                  truncation_mode: TruncationMode = DpoConfig.truncation_mode):
         """objective "dpo": each record is a preference pair (raysft.data.preference), two rows: see PAIR_SCHEMA;
         one longer than cfg.max_seq_len is what truncation_mode (dpo.truncation_mode) says."""
-        self.tokenizer, self.cfg, self.objective = tokenizer, cfg, objective
+        self.tokenizer, self.cfg, self.pairs = tokenizer, cfg, holds_pairs(objective)
         self.truncation_mode = truncation_mode
         self.columns: dict[str, list] = {"input_ids": [], "labels": [], "num_loss_tokens": [], "source": [],
                                          "record": []}
-        if objective == "dpo":
+        if self.pairs:
             self.columns["chosen"] = []
         self.skipped: Counter[str] = Counter()
         self.records = self.truncated = self.rewritten_turns = self.weighted_out = self.held_out = 0
@@ -134,12 +146,12 @@ class Samples:
                 values = (row.input_ids, row.labels, num_loss_tokens, source, index)
                 for name, value in zip(self.columns, values, strict=False):
                     self.columns[name].append(value)
-                if self.objective == "dpo":
+                if self.pairs:
                     self.columns["chosen"].append(k == 0)
 
     def _label(self, record: Any) -> list[Labelled]:
         """The record's rows: one conversation, or a preference pair's chosen and rejected sequence."""
-        if self.objective == "dpo":
+        if self.pairs:
             return list(label_pair(self.tokenizer, to_pair(record, self.cfg.system_prompt), self.cfg.max_seq_len,
                                    self.truncation_mode))
         return [label_conversation(self.tokenizer, to_conversation(record, self.cfg.system_prompt),
@@ -149,7 +161,7 @@ class Samples:
         return {"records": self.records, "samples": len(self.columns["record"]), "truncated": self.truncated,
                 "rewritten_turns": self.rewritten_turns, "weighted_out": self.weighted_out,
                 "held_out": self.held_out, "skipped": dict(self.skipped),
-                **({"pairs": len(self.columns["record"]) // 2} if self.objective == "dpo" else {})}
+                **({"pairs": pairs_in(len(self.columns["record"]))} if self.pairs else {})}
 
     def write(self, path: Path) -> None:
         c = self.columns

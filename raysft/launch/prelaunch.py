@@ -20,7 +20,6 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, SET_ASIDE_KEY, new_run_id, read_run_id
 from raysft.config import ConfigError, TrainConfig
-from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.errors import ModelDirError, WeightsFileError
 from raysft.evals.engines import resolve_engine
@@ -34,6 +33,7 @@ from raysft.model.loss import check_chunked_loss
 from raysft.model.seeded_init import INIT_SCHEME
 from raysft.parallel.sequence import check_sequence_parallel
 from raysft.storage import Location, location, native
+from raysft.training.objective import Objective, objective_for
 from raysft.training.trackers import check_trackers
 
 # Without these, a checkpoint's weights and data cursor would mean something else: another model, or another order
@@ -61,18 +61,17 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
     check_model(config, tokenizer)  # its files are read before the data is tokenized, which may take long
     if config.eval.path:  # so is the eval set: a bad record is named before anything is written
         check_eval_set(config, tokenizer)
-    store = prepare_store(config.data, tokenizer, config.store_dir, objective=config.train.objective,
-                          truncation_mode=config.dpo.truncation_mode,
-                          before_writing=None if fresh else functools.partial(refuse_before_writing, config))
+    objective = objective_for(config)  # what a sample is, and the store tokenized for it
+    store = objective.prepare_store(tokenizer, before_writing=None if fresh else functools.partial(
+        refuse_before_writing, config))
     print(f"raysft: data store {store.path} ({store.num_samples} samples{', reused' if store.reused else ''})",
           flush=True)
     eval_store = None
     if config.data.eval_paths or config.data.eval_fraction:
-        eval_store = prepare_store(config.data, tokenizer, config.store_dir, split="eval",
-                                   objective=config.train.objective, truncation_mode=config.dpo.truncation_mode)
+        eval_store = objective.prepare_store(tokenizer, split="eval")
         print(f"raysft: eval store {eval_store.path} ({eval_store.num_samples} samples"
               f"{', reused' if eval_store.reused else ''})", flush=True)
-    check_batch(config, store.num_samples // 2 if config.train.objective == "dpo" else store.num_samples)
+    check_batch(config, objective, store.num_samples)
     moved = claim_run_dir(config, store.path.name, fresh)
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
@@ -122,12 +121,12 @@ def check_weights(config: TrainConfig, hf_config: PretrainedConfig) -> None:
         raise ConfigError(f"config key 'model.path': {e}") from None
 
 
-def check_batch(config: TrainConfig, num_samples: int) -> None:
-    """num_samples: the store's samples, or its pairs under train.objective dpo."""
-    what = "pairs" if config.train.objective == "dpo" else "samples"
+def check_batch(config: TrainConfig, objective: Objective, rows: int) -> None:
+    """A global batch from a store of `rows` rows: the objective's samples (SFT's samples, DPO's pairs)."""
+    num_samples = objective.samples_in(rows)
     if num_samples < config.train.global_batch_size:
-        raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} {what} per step, "
-                          f"but the data has {num_samples}: lower it or add data")
+        raise ConfigError(f"config key 'train.global_batch_size': {config.train.global_batch_size} {objective.sample} "
+                          f"per step, but the data has {num_samples}: lower it or add data")
 
 
 def claim_run_dir(config: TrainConfig, data_fingerprint: str, fresh: bool = False) -> Path | Location | None:
@@ -209,8 +208,7 @@ def run_identity(config: TrainConfig, data_fingerprint: str) -> dict:
     for key in RUN_DEFINING_KEYS:
         section, name = key.split(".")
         identity[key] = values[section][name]
-    if config.train.objective != "sft":  # absent: SFT, as in runs recorded before there was a choice
-        identity["train.objective"] = config.train.objective
+    identity.update(objective_for(config).identity())
     if config.model.lora.r:
         identity["model.lora"] = values["model"]["lora"]
         if not config.model.path:

@@ -26,7 +26,7 @@ from ray.train import (
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysft.checkpoint.discovery import read_run_id
+from raysft.checkpoint import remove_snapshots
 from raysft.checkpoint.memory import remove_run, resolve_memory_dir
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig, best_mode
@@ -128,9 +128,10 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
             f"{s.placement_timeout_s:g}): the cluster has the resources in total, but they stayed taken (other "
             "jobs, or nodes gone). Free them or add nodes, lower scaling.num_workers, set scaling.min_workers to "
             f"start with fewer, or wait longer. Ray's error: {e.controller_failure}") from e
-    finally:
-        if config.checkpoint.memory_every_n_steps:  # however the run ended, its snapshots in memory go
-            remove_snapshots(config, other_hosts=own_local_ray is None)
+    finally:  # however the run ended, its snapshots in memory go: this host's, then (a cluster's) the other nodes'
+        run_id = remove_snapshots(config.run_dir, config.checkpoint)
+        if run_id is not None and own_local_ray is None:
+            remove_snapshots_on_other_nodes(config.checkpoint.memory_dir, run_id)
 
 
 class RunEnded(Exception):
@@ -153,38 +154,27 @@ class EndRunOnRecordedError(UserCallback):
                                            f"error in {self.run_dir}"))
 
 
-def remove_snapshots(config: TrainConfig, other_hosts: bool = True, timeout_s: float = 30.0) -> None:
-    """The memory tier's snapshots of the run (raysft.checkpoint.memory): of no use once the run ended, and
-    node-local shared memory is freed by nobody else. This host's go at once (every node's, on a one-host cluster:
-    a local Ray the driver started has no other host); with `other_hosts`, theirs through a task on each node Ray
-    has alive, in a thread the driver waits for at most timeout_s (after a signal to the whole job Ray itself may
-    be gone, and a call into it would not return)."""
-    try:
-        run_id = read_run_id(config.run_dir)
-    except (OSError, ValueError):
-        return  # no record of the run: nothing of it was snapshotted
-    remove_run(config.checkpoint.memory_dir, run_id)
-    if not other_hosts:
-        return
-
-    def on_every_node() -> None:  # but this host, whose snapshots (every node's of a one-host cluster) went above
+def remove_snapshots_on_other_nodes(memory_dir: str, run_id: str, timeout_s: float = 30.0) -> None:
+    """The run's memory-tier snapshots on the nodes Ray has alive but this host (whose went with
+    raysft.checkpoint.remove_snapshots; a local Ray the driver started has no other host), through a task on each,
+    in a thread the driver waits for at most timeout_s (after a signal to the whole job Ray itself may be gone, and
+    a call into it would not return)."""
+    def on_every_node() -> None:
         here = ray.util.get_node_ip_address()
         on_node = [NodeAffinitySchedulingStrategy(n["NodeID"], soft=False) for n in ray.nodes()
                    if n["Alive"] and n["NodeManagerAddress"] != here]
-        ray.get([_remove_run_snapshots.options(scheduling_strategy=s).remote(config.checkpoint.memory_dir, run_id)
-                 for s in on_node])
+        ray.get([_remove_run_on_node.options(scheduling_strategy=s).remote(memory_dir, run_id) for s in on_node])
 
     worker = threading.Thread(target=on_every_node, name="raysft-remove-snapshots", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        print(f"raysft: warning: the run's snapshots in {resolve_memory_dir(config.checkpoint.memory_dir) / run_id} "
-              "may be left on "
+        print(f"raysft: warning: the run's snapshots in {resolve_memory_dir(memory_dir) / run_id} may be left on "
               f"other nodes: Ray did not answer within {timeout_s:g} s", file=sys.stderr)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _remove_run_snapshots(memory_dir: str, run_id: str) -> None:
+def _remove_run_on_node(memory_dir: str, run_id: str) -> None:
     remove_run(memory_dir, run_id)
 
 

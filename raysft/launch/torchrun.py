@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, scratch_root
-from raysft.checkpoint.discovery import RUN_FILE, read_run_id
-from raysft.checkpoint.memory import remove_run
+from raysft.checkpoint import DirectorySink, UploadSink, existing_checkpoint_names, remove_snapshots, scratch_root
 from raysft.config import ConfigError, TrainConfig, best_mode, load_config
 from raysft.distributed.collectives import from_rank0, process_group_backend
 from raysft.errors import RunInUse, ends_the_run, run_ending_type
@@ -34,7 +32,6 @@ from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
-from raysft.storage import location
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
 
@@ -56,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         end_distributed(agreed)
     if code == EXIT_SIGINT or (code == 1 and agreed):  # the run ended here (a crash is torchrun's to restart)
-        remove_snapshots(args.config, args.overrides)
+        with contextlib.suppress(Exception):  # a config that does not load: nothing of the run was snapshotted
+            config = load_config(args.config, args.overrides)
+            remove_snapshots(config.run_dir, config.checkpoint)  # (a normal end or a stop: Checkpointer.close)
     return code
 
 
@@ -129,15 +128,6 @@ class RunEndingReports:
                 return False
             time.sleep(0.05)
         return True
-
-
-def remove_snapshots(config_path: str | None, overrides: list[str]) -> None:
-    """This host's memory-tier snapshots of the run (raysft.checkpoint.memory) once it ended with an error every
-    rank met or on Ctrl-C (a normal end or a stop removes them in the trainer): nothing is left in shared memory."""
-    with contextlib.suppress(Exception):  # a config that does not load, a run never claimed: nothing of ours there
-        config = load_config(config_path, overrides)
-        if config.checkpoint.memory_every_n_steps and (location(config.run_dir) / RUN_FILE).is_file():
-            remove_run(config.checkpoint.memory_dir, read_run_id(config.run_dir))
 
 
 def end_distributed(agreed: bool) -> None:

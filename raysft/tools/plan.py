@@ -43,6 +43,7 @@ from raysft.hf.dtypes import DTYPES
 from raysft.model.build import build_meta_model, decoder_layer_classes
 from raysft.model.lora import add_adapters
 from raysft.parallel.layout import ParallelDims
+from raysft.training.objective import objective_for
 
 GiB, MiB = 2**30, 2**20
 # GPU memory by Ray's accelerator_type (Ray reports the model, not its memory), in vendor GB. A100 comes in 40 and
@@ -121,7 +122,7 @@ def micro_batch_tokens(cfg: TrainConfig) -> int:
     data.max_seq_len (shorter data pads to less). train.objective dpo counts two sequences per pair: the
     micro_batch_size pairs are twice as many rows, and a token budget takes whole pairs (one longer than the budget
     goes alone: up to two rows of data.max_seq_len)."""
-    t, sequences = cfg.train, 2 if cfg.train.objective == "dpo" else 1
+    t, sequences = cfg.train, objective_for(cfg).sequences_per_sample
     if t.micro_batch_tokens:
         return max(t.micro_batch_tokens, sequences * cfg.data.max_seq_len)
     return sequences * t.micro_batch_size * cfg.data.max_seq_len

@@ -2,6 +2,8 @@
 
 Modules, by role:
   trainer      the loop: batch -> forward -> backward -> clip -> step -> log -> maybe checkpoint
+  objective    train.objective as an object, chosen once: SFT or DPO's loss, step, reference pass, validation
+  sft          one SFT step's forward and backward over a global batch of samples
   optim        AdamW, the learning-rate schedule, the fp16 loss scaler
   step_guard   whether a step may change the model (non-finite or spiking loss or gradient norm)
   evaluation   the loss over the eval store, on every worker, without gradients

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raysft.config import TrainConfig
-from raysft.data.dataloader import TokenizedDataset, collate, micro_batches, to_device
+from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, to_device
 from raysft.model.loss import micro_batch_loss_sum
 from raysft.parallel.layout import SequenceShard
 from raysft.parallel.sequence import model_batch
@@ -29,7 +29,7 @@ from raysft.parallel.sequence import model_batch
 
 class Evaluator:
     """Every rank's share of the eval store, walked in rounds of train.global_batch_size samples cut into
-    micro-batches by training's own cut (raysft.data.dataloader.micro_batches: micro_batch_size samples, or
+    micro-batches by training's own cut (raysft.data.dataloader.lockstep_micro_batches: micro_batch_size samples, or
     micro_batch_tokens tokens with packing); the workers of a sequence group share their group's samples, each its
     slice of them, as in training."""
 
@@ -73,11 +73,8 @@ class Evaluator:
                 "eval_s": round(time.perf_counter() - start, 4)}
 
     def _micro_batches(self, chunk: np.ndarray) -> list[tuple[np.ndarray, bool]]:
-        """This rank's micro-batches of the chunk, as many as the rank that needs the most: FSDP gathers parameters
-        in every forward, on every rank alike, so a rank with fewer runs its first sample again and drops the
-        loss (`real` False)."""
+        """This rank's micro-batches of the chunk, as many as every other rank runs (the dataloader's
+        lockstep_micro_batches); the loss of one that is not `real` is dropped."""
         t = self.cfg.train
-        cuts = [micro_batches(chunk, self.dataset.num_tokens, r, self.world_size, t.micro_batch_size,
-                              t.micro_batch_tokens) for r in range(self.world_size)]  # a pure function: no sync
-        mine, most = cuts[self.rank], max(len(c) for c in cuts)
-        return [(m, True) for m in mine] + [(chunk[:1], False)] * (most - len(mine))
+        return lockstep_micro_batches(chunk, self.dataset.num_tokens, self.rank, self.world_size, t.micro_batch_size,
+                                      t.micro_batch_tokens)

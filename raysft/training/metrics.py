@@ -13,6 +13,7 @@ import resource
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -106,6 +107,22 @@ class MetricsLogger:
                 self.uploaded_at = time.monotonic()
             except OSError as e:  # a storage hiccup must not stop training; the next upload carries everything
                 self._print(f"raysft: warning: cannot upload {self.remote}: {e}")
+
+
+@dataclass
+class StepResult:
+    """What one step's forward and backward leave on this worker for the clip-and-step and StepTotals, whichever
+    the objective (raysft.training.objective): its share of the step's loss, summed over the workers and divided by
+    `loss_tokens` (the global batch's assistant tokens for SFT; 1 for DPO, whose shares are of the step's means),
+    the token counts of its micro-batches, and the objective's own metrics: `means` (DPO's PAIR_METRICS: this
+    worker's shares, summed over the workers) and `host` values kept as they are (DPO's pairs per step)."""
+
+    loss: torch.Tensor
+    loss_tokens: int
+    lengths: list[int]
+    computed_tokens: int
+    means: dict[str, torch.Tensor] | None = None
+    host: dict = field(default_factory=dict)
 
 
 class StepTotals:

@@ -13,8 +13,8 @@ split into workers and micro-batches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,12 +24,11 @@ from raysft.config import TrainConfig
 from raysft.data.dataloader import (
     TokenizedDataset,
     collate,
+    micro_batches,
     pair_lengths,
     pair_rows,
-    rank_micro_batches,
     sample_lengths,
     to_device,
-    token_budget_micro_batches,
 )
 from raysft.model.lora import adapters_disabled
 from raysft.model.preference_loss import (
@@ -40,6 +39,8 @@ from raysft.model.preference_loss import (
     sequence_logps,
     sequence_loss_inputs,
 )
+from raysft.parallel.layout import SequenceShard
+from raysft.training.metrics import StepResult
 
 
 def pair_batch(batch: dict) -> dict:
@@ -49,44 +50,30 @@ def pair_batch(batch: dict) -> dict:
     return batch
 
 
-@dataclass
-class PairStep:
-    """What a worker's part of a DPO step leaves for the trainer: its share of the step's loss and of each of the
-    PAIR_METRICS (summed over the workers, the loss and the step's means), and the token counts of its
-    micro-batches."""
-
-    loss: torch.Tensor
-    metrics: dict[str, torch.Tensor]
-    lengths: list[int]
-    computed_tokens: int
-
-
 class PreferenceStep:
     """The DPO objective on one worker. `reference` holds every store row's reference log-probability
-    (raysft.training.reference); None with LoRA, whose reference is the base with the adapters off."""
+    (raysft.training.reference); None with LoRA, whose reference is the base with the adapters off. `shard` is this
+    worker's data-parallel place, `world_size` every worker FSDP averages the gradients over."""
 
-    def __init__(self, cfg: TrainConfig, dataset: TokenizedDataset, reference: torch.Tensor | None, dp_rank: int,
-                 dp_size: int, device: torch.device, pad_id: int):
+    def __init__(self, cfg: TrainConfig, dataset: TokenizedDataset, reference: torch.Tensor | None,
+                 shard: SequenceShard, world_size: int, device: torch.device, pad_id: int):
         self.cfg, self.dataset, self.reference = cfg, dataset, reference
-        self.dp_rank, self.dp_size, self.device, self.pad_id = dp_rank, dp_size, device, pad_id
+        self.dp_rank, self.dp_size, self.world_size = shard.dp_rank, shard.dp_size, world_size
+        self.device, self.pad_id = device, pad_id
         self.answer_tokens = torch.as_tensor(dataset.num_loss_tokens, dtype=torch.float32)
 
-    @property
-    def num_pairs(self) -> int:
-        return len(self.dataset) // 2
-
-    def micro_batches(self, pairs: np.ndarray) -> list[np.ndarray]:
-        """This worker's pairs of the global batch, cut as SFT cuts samples (a pure function of the global batch)."""
-        t = self.cfg.train
-        if t.micro_batch_tokens:
-            return token_budget_micro_batches(pairs, pair_lengths(self.dataset), self.dp_rank, self.dp_size,
-                                              t.micro_batch_tokens)
-        return rank_micro_batches(pairs, self.dp_rank, self.dp_size, t.micro_batch_size)
+    @functools.cached_property
+    def pair_lengths(self) -> np.ndarray:
+        """Each pair's token count, both answers: what a token budget cuts pairs by."""
+        return pair_lengths(self.dataset)
 
     def forward_backward(self, model: nn.Module, pairs: np.ndarray,
-                         backward: Callable[[torch.Tensor], None]) -> PairStep:
-        """Forward and `backward` (the trainer's: loss scaling, × world size) of every micro-batch of this worker."""
-        o = self.cfg.dpo
+                         backward: Callable[[torch.Tensor], None]) -> StepResult:
+        """Forward and `backward` (the trainer's loss scaling) of every micro-batch of this worker, its pairs of the
+        global batch cut as SFT cuts samples (a pure function of the global batch); each micro-batch's loss times
+        the world size, because FSDP averages the gradients over every worker. Its metrics: PAIR_METRICS' shares
+        and the step's pairs."""
+        o, t = self.cfg.dpo, self.cfg.train
         step_rows = pair_rows(pairs)
         chosen_total, rejected_total = (max(1.0, float(self.answer_tokens[torch.as_tensor(step_rows[k::2])].sum()))
                                         for k in (0, 1))
@@ -94,7 +81,8 @@ class PreferenceStep:
         sums = torch.zeros(len(PAIR_METRICS), dtype=torch.float64, device=self.device)
         lengths: list[int] = []
         computed = 0
-        parts = self.micro_batches(pairs)
+        parts = micro_batches(pairs, self.pair_lengths, self.dp_rank, self.dp_size, t.micro_batch_size,
+                              t.micro_batch_tokens)
         for i, part in enumerate(parts):
             rows = pair_rows(part)
             batch = collate(self.dataset, rows, self.pad_id, self.cfg.data.packing)
@@ -109,14 +97,15 @@ class PreferenceStep:
             loss = losses.sum() / len(pairs)
             if o.sft_weight:
                 loss = loss - o.sft_weight * logps[0::2].sum() / chosen_total
-            backward(loss)
+            backward(loss * self.world_size)
             loss_sum += loss.detach()
             sums += torch.cat([reward_sums(logps[0::2], logps[1::2], ref[0::2], ref[1::2], o.beta),
                                torch.stack([logit_sums[0::2].sum(), logit_sums[1::2].sum()]).double()])
         # the rewards are means over the step's pairs, the logits over its chosen and its rejected answer tokens
         divisors = torch.tensor([len(pairs)] * len(REWARD_METRICS) + [chosen_total, rejected_total],
                                 dtype=torch.float64, device=self.device)
-        return PairStep(loss_sum, dict(zip(PAIR_METRICS, sums / divisors, strict=True)), lengths, computed)
+        return StepResult(loss_sum, 1, lengths, computed, means=dict(zip(PAIR_METRICS, sums / divisors, strict=True)),
+                          host={"pairs": len(pairs)})
 
     def _reference(self, model: nn.Module, batch: dict, rows: np.ndarray) -> torch.Tensor:
         if self.reference is not None:

@@ -4,8 +4,8 @@ The eval store is a preference store like the training one (data.eval_paths, or 
 out of data.paths), with reference log-probabilities of its own, computed by the same pass of the starting model
 and kept beside it (raysft.training.reference); a LoRA run's reference is the base with the adapters off, as in
 training. Every rank takes pairs rank, rank + W, ... in micro-batches of train.micro_batch_size pairs, without
-gradients, the model in eval mode; a rank with fewer runs its first one again (FSDP needs as many forwards
-everywhere) and drops it. The sums over all pairs of every rank make the metrics, so they do not depend on the
+gradients, the model in eval mode, as many micro-batches as every other rank (raysft.data.dataloader's
+lockstep_micro_batches). The sums over all pairs of every rank make the metrics, so they do not depend on the
 worker count:
 
   eval_loss                  the DPO (or IPO) loss, plus dpo.sft_weight times the chosen answers' mean token NLL:
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from raysft.config import TrainConfig
-from raysft.data.dataloader import TokenizedDataset, collate, pair_rows, to_device
+from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, pair_rows, to_device
+from raysft.data.store import pairs_in
 from raysft.model.lora import adapters_disabled
 from raysft.model.preference_loss import pair_losses, reward_sums, sequence_logps
 from raysft.training.preference import pair_batch
@@ -49,7 +50,7 @@ class PreferenceEvaluator:
 
     @property
     def num_pairs(self) -> int:
-        return len(self.dataset) // 2
+        return pairs_in(len(self.dataset))
 
     def due(self, step: int, checkpoint_due: bool) -> bool:
         """Every train.eval_every_n_steps, and at every scheduled checkpoint (keep_best may rank by it)."""
@@ -59,11 +60,9 @@ class PreferenceEvaluator:
     def run(self, model: nn.Module) -> dict:
         """Collective: eval_loss, EVAL_REWARDS, eval_pairs and eval_s (the evaluation's wall time)."""
         start = time.perf_counter()
-        o, per = self.cfg.dpo, self.cfg.train.micro_batch_size
-        pairs = np.arange(self.num_pairs)
-        shares = [pairs[r :: self.world_size] for r in range(self.world_size)]
-        mine = [shares[self.rank][i : i + per] for i in range(0, len(shares[self.rank]), per)]
-        most = max(-(-len(s) // per) for s in shares)
+        o = self.cfg.dpo
+        cut = lockstep_micro_batches(np.arange(self.num_pairs), None, self.rank, self.world_size,
+                                     self.cfg.train.micro_batch_size)
         chosen_tokens = max(1.0, float(self.answer_tokens[0::2].sum()))
         # loss, the sft term's NLL sum, then reward_sums' six sums (the first four are EVAL_REWARDS)
         sums = torch.zeros(8, dtype=torch.float64, device=self.device)
@@ -71,9 +70,7 @@ class PreferenceEvaluator:
         model.eval()
         try:
             with torch.no_grad():
-                for i in range(most):
-                    real = i < len(mine)
-                    part = mine[i] if real else (shares[self.rank][:1] if len(shares[self.rank]) else pairs[:1])
+                for part, real in cut:
                     rows = pair_rows(part)
                     batch = to_device(pair_batch(collate(self.dataset, rows, self.pad_id, self.cfg.data.packing)),
                                       self.device)

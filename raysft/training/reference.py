@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +26,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from raysft.config import TrainConfig
-from raysft.data.dataloader import TokenizedDataset, collate, pair_rows, to_device
+from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, pair_rows, to_device
+from raysft.data.store import pairs_in
 from raysft.errors import CheckpointError
 from raysft.hf.fingerprint import weights_fingerprint
 from raysft.model.build import PRESETS
 from raysft.model.preference_loss import sequence_logps
 from raysft.model.seeded_init import INIT_SCHEME
+from raysft.training.metrics import MetricsLogger
 from raysft.training.preference import pair_batch
 
 REFERENCE_DIR = "reference"
@@ -82,31 +85,42 @@ def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainCon
                       device: torch.device, pad_id: int) -> torch.Tensor:
     """Collective: every row's answer log-probability under `model` as it is now, without gradients, the model
     in eval mode and the RNG states put back afterwards. Each rank takes pairs rank, rank + W, ... in micro-batches
-    of train.micro_batch_size pairs; a rank with fewer runs its first one again (FSDP needs as many forwards
-    everywhere) and drops the result."""
-    pairs = np.arange(len(dataset) // 2)
-    per = cfg.train.micro_batch_size
-    shares = [pairs[r::world_size] for r in range(world_size)]
-    mine = [shares[rank][i : i + per] for i in range(0, len(shares[rank]), per)]
-    most = max(-(-len(s) // per) for s in shares)
+    of train.micro_batch_size pairs, as many as every other rank runs (lockstep_micro_batches)."""
+    pairs = np.arange(pairs_in(len(dataset)))
     logps = torch.zeros(len(dataset), dtype=torch.float64, device=device)
     cpu_rng = torch.get_rng_state()
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for i in range(most):
-                part = mine[i] if i < len(mine) else shares[rank][:1] if len(shares[rank]) else pairs[:1]
+            for part, real in lockstep_micro_batches(pairs, None, rank, world_size, cfg.train.micro_batch_size):
                 rows = pair_rows(part)
                 batch = pair_batch(collate(dataset, rows, pad_id, cfg.data.packing))
                 values, _ = sequence_logps(model, to_device(batch, device), len(rows))
-                if i < len(mine):
+                if real:
                     logps[torch.as_tensor(rows, device=device)] = values.double()
         dist.all_reduce(logps)
     finally:
         model.train(was_training)
         torch.set_rng_state(cpu_rng)
     return logps.cpu()
+
+
+def reference_logps(path: Path, missing: bool, model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig,
+                    rank: int, world_size: int, device: torch.device, pad_id: int, log: MetricsLogger) -> torch.Tensor:
+    """Collective when `missing` (on some rank): the reference log-probabilities of every row of `dataset`'s store,
+    computed by a pass of the model as it is now (the starting weights) and written to `path` beside the store;
+    else read from there. Either way an event in the run's log says which."""
+    if missing:
+        start = time.perf_counter()
+        logps = compute_reference(model, dataset, cfg, rank, world_size, device, pad_id)
+        if rank == 0:
+            write_reference(path, logps, path.parent.parent, cfg)
+        dist.barrier()
+        log.event("reference_logps", file=str(path), rows=len(logps), seconds=round(time.perf_counter() - start, 3))
+        return logps
+    log.event("reference_logps", file=str(path), reused=True)
+    return read_reference(path, len(dataset))
 
 
 def write_reference(path: Path, logps: torch.Tensor, store: Path, cfg: TrainConfig) -> None:

@@ -57,6 +57,7 @@ class MemoryTier:
     def __init__(self, objs: TrainingObjects, c: CheckpointConfig, run_id: str, node: str, dims: ParallelDims,
                  sharding: str, device: torch.device, log, set_aside: tuple[str, ...] = ()):
         self.objs, self.every, self.run_id, self.log = objs, c.memory_every_n_steps, run_id, log
+        self.dims = dims  # this launch's layout, which a resume cuts a snapshot for
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         nodes: list = [None] * self.world_size
         dist.all_gather_object(nodes, node)
@@ -241,21 +242,21 @@ class MemoryTier:
 
     # --- resuming ------------------------------------------------------------------------------------------------
 
-    def find(self, stored: int | None, dims: ParallelDims) -> Found | None:
+    def find(self, stored: int | None) -> Found | None:
         """Collective: the newest whole snapshot if it is newer than the stored checkpoint of step `stored` (None: no
-        stored checkpoint), its parts at hand, read and checked on every rank, on this launch's layout `dims` (cut
-        again if it was taken on another); else None, with the reason in the log. Either way, the node then keeps
+        stored checkpoint), its parts at hand, read and checked on every rank, on this launch's layout (cut again if
+        it was taken on another); else None, with the reason in the log. Either way, the node then keeps
         only the snapshot resumed from: newer ones (left by a fault when the stored checkpoint is used) would
         otherwise be taken for newer than every snapshot to come."""
         if self.off:
             return None
         untouched = not self.objs.optimizer.state  # reading the state dicts gives a fresh optimizer its state
-        plan, why = self._plan(dims)
+        plan, why = self._plan(self.dims)
         found = None
         if plan is not None and plan.step > (stored or 0):
             why = self._fetch(plan)
             if not why:
-                found, why = self._read(plan, dims)
+                found, why = self._read(plan, self.dims)
         elif plan is not None:
             why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {plan.step}"
         if found is None and (stored is not None or plan is not None) and self.log is not None:
