@@ -209,7 +209,7 @@ def test_mesh_carves_the_sequence_dimension_out_of_the_shard_group():
       "train.global_batch_size": 3}, r"multiple of the data-parallel groups \(4 workers / 2 = 2\)"),
 ])
 def test_layouts_sequence_parallelism_cannot_run_are_refused_on_the_driver(tmp_path, sets, message):
-    """Loading the configuration checks the layout (raysft.config.parallel_layout, for every elastic worker count)
+    """Loading the configuration checks the layout (ParallelDims.check_config, for every elastic worker count)
     and the batch; check_sequence_parallel what needs the model's config."""
     with pytest.raises(ConfigError, match=message):
         cfg = tiny_config(tmp_path, **{**SP, **sets})

@@ -2,10 +2,11 @@
 one-value collectives the ranks agree through.
 
 Modules, by role:
-  layout       ParallelDims: the config and the cluster's topology -> the (replicate, shard, sequence) sizes,
-               validated once; builds the device mesh and the sequence groups and answers every "which group am
-               I in" (a rank's SequenceShard: data-parallel and sequence rank and size); the driver's check of an
-               explicit HYBRID_SHARD shard group against the cluster's nodes
+  layout       ParallelDims, the one authority on where each rank sits: the config and the workers' nodes -> the
+               (replicate, shard, sequence) sizes and every rank's node, validated once; builds the device mesh and
+               the sequence groups and answers every "which group am I in" (a rank's SequenceShard, its place in
+               the shard group, each node's ranks); the checks of a configuration's layout (below raysft.config,
+               which asks them) and the driver's of an explicit HYBRID_SHARD shard group against the nodes
   fsdp         the dtype table and policy, and FSDP2 (`fully_shard`) for each sharding strategy, compile, activation
                checkpointing: applied in one fixed order
   sequence     Ulysses sequence parallelism: each rank's part of every packed row, attention over the whole row

@@ -41,7 +41,7 @@ from raysft.model.loss import install_chunked_loss, micro_batch_loss_sum
 from raysft.model.preference_loss import disable_dropout, install_sequence_nll
 from raysft.parallel.collectives import all_ranks, from_rank0
 from raysft.parallel.fsdp import parallelize
-from raysft.parallel.layout import ParallelDims, gather_node_ranks
+from raysft.parallel.layout import ParallelDims, gather_nodes
 from raysft.parallel.sequence import model_batch
 from raysft.training.evaluation import Evaluator
 from raysft.training.gen_log import GenEvalLog
@@ -109,7 +109,8 @@ class Trainer:
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
-        self.dims = ParallelDims.from_config(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
+        node_ranks, nodes = gather_nodes(ctx.node_rank, ctx.node or socket.gethostname())
+        self.dims = ParallelDims.from_config(cfg.parallel, node_ranks, nodes)
         self.mesh, self.sequence_group = self.dims.build_mesh(ctx.device.type), self.dims.sequence_group()
         self.shard = self.dims.place(ctx.rank)
         if t.deterministic:
