@@ -31,6 +31,7 @@ from raysft.hf.fingerprint import weights_fingerprint
 from raysft.model.build import PRESETS
 from raysft.model.preference_loss import sequence_logps
 from raysft.model.seeded_init import INIT_SCHEME
+from raysft.parallel.layout import SequenceShard
 from raysft.training.preference import pair_batch
 
 REFERENCE_DIR = "reference"
@@ -78,15 +79,17 @@ def read_reference(path: Path, rows: int) -> torch.Tensor:
     return logps
 
 
-def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig, rank: int, world_size: int,
+def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig, shard: SequenceShard,
                       device: torch.device, pad_id: int) -> torch.Tensor:
     """Collective: every row's answer log-probability under `model` as it is now, without gradients, the model
-    in eval mode and the RNG states put back afterwards. Each rank takes pairs rank, rank + W, ... in micro-batches
-    of train.micro_batch_size pairs; a rank with fewer runs its first one again (FSDP needs as many forwards
-    everywhere) and drops the result."""
+    in eval mode and the RNG states put back afterwards. `shard`: this rank's place in the layout
+    (ParallelDims.place; DPO runs without sequence parallelism, so every rank is a data-parallel group of its own).
+    Data-parallel rank d of D takes pairs d, d + D, ... in micro-batches of train.micro_batch_size pairs; a rank
+    with fewer runs its first one again (FSDP needs as many forwards everywhere) and drops the result."""
     pairs = np.arange(len(dataset) // 2)
     per = cfg.train.micro_batch_size
-    shares = [pairs[r::world_size] for r in range(world_size)]
+    rank = shard.dp_rank
+    shares = [pairs[r::shard.dp_size] for r in range(shard.dp_size)]
     mine = [shares[rank][i : i + per] for i in range(0, len(shares[rank]), per)]
     most = max(-(-len(s) // per) for s in shares)
     logps = torch.zeros(len(dataset), dtype=torch.float64, device=device)

@@ -196,8 +196,8 @@ class Trainer:
         dataset = dataset or self.dataset
         if missing:
             start = time.perf_counter()
-            logps = compute_reference(self.model, dataset, self.cfg, self.ctx.rank, self.ctx.world_size,
-                                      self.ctx.device, self.tokenizer.pad_token_id)
+            logps = compute_reference(self.model, dataset, self.cfg, self.shard, self.ctx.device,
+                                      self.tokenizer.pad_token_id)
             if self.ctx.rank == 0:
                 write_reference(path, logps, path.parent.parent, self.cfg)
             torch.distributed.barrier()
@@ -211,8 +211,8 @@ class Trainer:
         """Collective: the memory tier of this run on this worker's node (raysft.checkpoint.memory)."""
         cfg = self.cfg
         run_id, set_aside = from_rank0(lambda: (read_run_id(cfg.run_dir), read_set_aside(cfg.run_dir)))
-        return MemoryTier(self.objs, cfg.checkpoint, run_id, self.ctx.node or socket.gethostname(), self.dims,
-                          cfg.parallel.sharding, self.ctx.device, self.log, set_aside)
+        return MemoryTier(self.objs, cfg.checkpoint, run_id, self.dims, cfg.parallel.sharding, self.ctx.device,
+                          self.log, set_aside)
 
     def train(self) -> dict:
         t = self.cfg.train
