@@ -106,8 +106,8 @@ class ParallelDims:
 
     @staticmethod
     def nodes_for(cfg: ParallelSettings, workers: int) -> int:
-        """The fewest nodes the layout asks for, where no cluster says how many there are (`raysft plan`): one per
-        shard group of an explicit HYBRID_SHARD size (a shard group lies inside a node), else one."""
+        """The nodes `raysft plan` assumes where no cluster says how many there are: a node per shard group of an
+        explicit HYBRID_SHARD size (each group lies inside one), else one."""
         shard = cfg.hsdp_shard_size
         return workers // shard if shard and not workers % shard else 1
 
