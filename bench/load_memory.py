@@ -53,9 +53,9 @@ def _build(model_dir: str, pretrained: bool):
     from transformers import AutoConfig
 
     from raysft.config import ModelConfig, ParallelConfig
+    from raysft.distributed.layout import ParallelDims
     from raysft.model.build import build_meta_model, materialize
     from raysft.parallel.fsdp import parallelize
-    from raysft.parallel.layout import ParallelDims
 
     config = AutoConfig.from_pretrained(model_dir)
     cfg = ModelConfig(path=model_dir if pretrained else "", config=model_dir)

@@ -59,8 +59,8 @@ class _SavedBytes:
 def _worker(rank: int, n: int, init: str, args: argparse.Namespace, out: mp.Queue) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from raysft.distributed.layout import SequenceShard
     from raysft.model.loss import install_chunked_loss
-    from raysft.parallel.layout import SequenceShard
     from raysft.parallel.sequence import apply_sequence_parallel, split_batch
 
     device = torch.device("cuda", rank) if args.gpu else torch.device("cpu")

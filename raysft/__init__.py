@@ -1,10 +1,10 @@
 """raysft: distributed supervised fine-tuning of LLaMA-style chat models with FSDP2 on Ray Train.
 
-A package per role, each importing only those before it in this order (tests/test_architecture.py holds them to
-it): errors, storage → config → distributed (collectives, the local Ray) → hf (the file format) → data (tokenize to
-parquet, micro-batches) → model → parallel (the layout, FSDP2) → checkpoint → training (the loop) → products
-(export, adapters, a model loaded to answer) → evals → tools (plan, chat, report) → launch (Ray, or torchrun) → the
-CLI and this package's face. docs/ARCHITECTURE.md draws the picture.
+A package per role, each importing only those before it in this order (tests/test_architecture.py holds them to it):
+errors, storage → distributed (the rank layout, collectives, the local Ray) → config → hf (the file format) → data
+(tokenize to parquet, micro-batches) → model → parallel (FSDP2, sequence parallelism, FP8) → checkpoint → training
+(the loop) → products (export, adapters, a model loaded to answer) → evals → tools (plan, chat, report) → launch
+(Ray, or torchrun) → the CLI and this package's face. docs/ARCHITECTURE.md draws the picture.
 """
 
 from raysft.config import TrainConfig, load_config

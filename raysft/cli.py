@@ -23,11 +23,11 @@ from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import SCORERS, ConfigError, Precision, TrainConfig, best_mode, load_config
 from raysft.data import read_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
+from raysft.distributed.layout import ParallelDims, check_hsdp_shard_size_fits_nodes, node_sizes, spread_evenly
 from raysft.evals.runner import evaluate_model, summary
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
-from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.products.chat_model import DEFAULT_MAX_NEW_TOKENS, ChatModel
 from raysft.products.directories import is_checkpoint
 from raysft.products.export import DEFAULT_SHARD_BYTES, check_export_target, export
@@ -241,10 +241,8 @@ def _plan(config: TrainConfig, model: str | None, nodes: int | None, gpu_mem_gib
     if gpu_bytes is None and cluster and cluster[0] in GPU_MEMORY_GB:
         gpu_bytes = GPU_MEMORY_GB[cluster[0]] * 1e9
     if nodes is None:
-        shard = config.parallel.hsdp_shard_size
-        nodes = cluster[1] if cluster and cluster[1] else (workers // shard if shard and not workers % shard else 1)
-    spread = [len(range(node, workers, nodes)) for node in range(nodes)]  # workers per node, spread evenly
-    check_hsdp_shard_size_fits_nodes(config.parallel, workers, spread)
+        nodes = cluster[1] if cluster and cluster[1] else ParallelDims.nodes_for(config.parallel, workers)
+    check_hsdp_shard_size_fits_nodes(config.parallel, workers, node_sizes(spread_evenly(workers, nodes)))
     print(f"raysft: architecture from {source}")
     rank0_init = initial_weights_fallback(config, hf_config)
     host_bytes = host_mem_gib * GiB if host_mem_gib else None

@@ -131,7 +131,7 @@ def test_raysft_imports_have_no_circle():
 
 # The packages from the bottom up (raysft/__init__'s docstring gives the same order): a package imports only those
 # before it. The top level's modules: errors at the bottom, the CLI, the entry points and the package's face on top.
-PACKAGE_ORDER = ("errors", "storage", "config", "distributed", "hf", "data", "model", "parallel", "checkpoint",
+PACKAGE_ORDER = ("errors", "storage", "distributed", "config", "hf", "data", "model", "parallel", "checkpoint",
                  "training", "products", "evals", "tools", "launch", "cli")
 TOP_LEVEL_PACKAGE = {"raysft": "cli", "raysft.__main__": "cli", "raysft.cli": "cli", "raysft.run": "cli",
                      "raysft.errors": "errors"}

@@ -21,7 +21,7 @@ from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
 from raysft.data.dataloader import micro_batches
 from raysft.data.store import write_samples
 from raysft.data.tokenizer import load_tokenizer
-from raysft.parallel.layout import SequenceShard
+from raysft.distributed.layout import SequenceShard
 from raysft.training.evaluation import Evaluator
 
 

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import LlamaConfig
 
 from raysft.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from raysft.distributed.layout import ParallelDims
 from raysft.model.build import build_meta_model, load_initial_weights, materialize
 from raysft.parallel import fp8, fsdp
-from raysft.parallel.layout import ParallelDims
 
 # head_dim 16: q/o 64x64 and k/v 32x64 are FP8's; the MLP's width 72 is not a multiple of 16; the LM head (64 -> 256)
 # would be, and is left out as the head

@@ -10,11 +10,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raysft.config import LoraConfig, ModelConfig, ParallelConfig
+from raysft.distributed.layout import ParallelDims
 from raysft.hf.weights import local_part
 from raysft.model.build import build_meta_model, load_initial_weights, materialize
 from raysft.model.lora import add_adapters
 from raysft.parallel.fsdp import parallelize
-from raysft.parallel.layout import ParallelDims
 
 SEED = 7
 # vocab and widths that no world size of 2 or 4 divides: uneven shards, and an empty one is possible

@@ -1,4 +1,4 @@
-"""ParallelDims (raysft.parallel.layout): the one object that says where every rank sits. Sizes, every rank's
+"""ParallelDims (raysft.distributed.layout): the one object that says where every rank sits. Sizes, every rank's
 data-parallel and sequence coordinates, and the refusals, as pure functions; the mesh and the sequence groups it
 builds, in one gloo group of four processes."""
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from raysft.config import ConfigError, ParallelConfig
 from raysft.data.dataloader import rank_micro_batches
-from raysft.parallel.layout import ParallelDims, SequenceShard
+from raysft.distributed.layout import ParallelDims, SequenceShard
 
 
 @pytest.mark.parametrize("sharding, n, node_ranks, sizes, dp_size, shard_group", [

@@ -3,7 +3,7 @@
 import pytest
 
 from raysft.config import ConfigError, ParallelConfig, load_config
-from raysft.parallel.layout import ParallelDims, check_hsdp_shard_size_fits_nodes
+from raysft.distributed.layout import ParallelDims, check_hsdp_shard_size_fits_nodes
 
 
 @pytest.mark.parametrize("sharding, node_ranks, shard_size, expected", [

@@ -13,12 +13,12 @@ from transformers import LlamaConfig
 
 from raysft.checkpoint import CheckpointError
 from raysft.config import ConfigError, LoraConfig, ModelConfig, ParallelConfig
+from raysft.distributed.layout import ParallelDims
 from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
 from raysft.model.build import build_full_model, build_meta_model, load_initial_weights, materialize
 from raysft.model.lora import add_adapters, record
 from raysft.model.seeded_init import INIT_SCHEME
 from raysft.parallel.fsdp import parallelize
-from raysft.parallel.layout import ParallelDims
 from raysft.products.adapters import scratch_base
 
 SEED = 5

@@ -16,9 +16,9 @@ from raysft.config import ConfigError, ParallelConfig, TrainConfig, config_from_
 from raysft.data import IGNORE_INDEX, prepare_store
 from raysft.data.dataloader import DataCursor, GlobalBatchSampler, TokenizedDataset, collate, rank_micro_batches
 from raysft.data.tokenizer import load_tokenizer
+from raysft.distributed.layout import ParallelDims, SequenceShard
 from raysft.model.build import load_model_config
 from raysft.model.loss import loss_inputs
-from raysft.parallel.layout import ParallelDims, SequenceShard
 from raysft.parallel.sequence import check_sequence_parallel, split_batch
 from raysft.training.metrics import read_metrics
 from raysft.training.trainer import Trainer, resume_trainer
@@ -209,7 +209,7 @@ def test_mesh_carves_the_sequence_dimension_out_of_the_shard_group():
       "train.global_batch_size": 3}, r"multiple of the data-parallel groups \(4 workers / 2 = 2\)"),
 ])
 def test_layouts_sequence_parallelism_cannot_run_are_refused_on_the_driver(tmp_path, sets, message):
-    """Loading the configuration checks the layout (raysft.config.parallel_layout, for every elastic worker count)
+    """Loading the configuration checks the layout (ParallelDims.check_config, for every elastic worker count)
     and the batch; check_sequence_parallel what needs the model's config."""
     with pytest.raises(ConfigError, match=message):
         cfg = tiny_config(tmp_path, **{**SP, **sets})

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +28,8 @@ from raysft.checkpoint.state import TrainingObjects, TrainState
 from raysft.config import CheckpointConfig, TrainConfig
 from raysft.data.dataloader import DataCursor
 from raysft.distributed.collectives import all_ranks, any_rank, count_ranks, from_rank0
+from raysft.distributed.layout import ParallelDims
 from raysft.errors import CheckpointSaveError, NonFiniteStateError
-from raysft.parallel.layout import ParallelDims
 from raysft.storage import Location
 
 FULL_SAVE_MAX_BYTES = 16 * 2**30  # "auto": the largest checkpoint that rank 0 writes alone (full)
@@ -134,15 +133,14 @@ class Resume:
         return self.snapshot is not None or self.stored is not None
 
 
-def open_memory_tier(cfg: TrainConfig, objs: TrainingObjects, node: str, dims: ParallelDims, device: torch.device,
+def open_memory_tier(cfg: TrainConfig, objs: TrainingObjects, dims: ParallelDims, device: torch.device,
                      log) -> MemoryTier | None:
-    """Collective: the memory tier of this run on this worker's node (`node`; "": this host's name), for a
-    Checkpointer to own; None without checkpoint.memory_every_n_steps."""
+    """Collective: the memory tier of this run on this worker's node (its node: `dims`), for a Checkpointer to own;
+    None without checkpoint.memory_every_n_steps."""
     if not cfg.checkpoint.memory_every_n_steps:
         return None
     run_id, set_aside = from_rank0(lambda: (read_run_id(cfg.run_dir), read_set_aside(cfg.run_dir)))
-    return MemoryTier(objs, cfg.checkpoint, run_id, node or socket.gethostname(), dims, cfg.parallel.sharding, device,
-                      log, set_aside)
+    return MemoryTier(objs, cfg.checkpoint, run_id, dims, cfg.parallel.sharding, device, log, set_aside)
 
 
 def remove_snapshots(run_dir: Path | Location, cfg: CheckpointConfig) -> str | None:

@@ -321,7 +321,7 @@ def _read_whole(ckpt_dir: Path | Location, objs: TrainingObjects) -> tuple[dict,
 
 
 def _is_state_file(name: str) -> bool:
-    return hf_shards.is_layout_file(name) or name == OPTIMIZER_META_FILE
+    return hf_shards.is_tensor_or_index_file(name) or name == OPTIMIZER_META_FILE
 
 
 def _read_all(ckpt_dir: Path, stem: str) -> dict[str, torch.Tensor]:

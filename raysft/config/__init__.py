@@ -5,13 +5,13 @@ Modules, by role (each imports only those above it in this list):
   sections  one small dataclass per component (model, data, train, parallel, checkpoint, scaling, run, metrics, dpo,
             eval), composed into TrainConfig; their docstrings are the configuration reference (reference_markdown)
   checks    the checks beyond types, one function per section (check_train, check_data, ...) and then those that
-            join sections; the rules of the parallel layout that need no cluster (parallel_layout, which
-            raysft.parallel.layout's ParallelDims is built from)
+            join sections; the parallel layout's, for every worker count, asked of raysft.distributed.layout's
+            ParallelDims
   load      YAML and `--set section.key=value` overrides into the dataclasses, each value's type checked, then
             the checks: load_config and config_from_dict are the only ways in
 """
 
-from raysft.config.checks import best_mode, data_sources, parallel_layout, sequence_layout
+from raysft.config.checks import best_mode, data_sources
 from raysft.config.gen_eval import SCORERS, GenEvalConfig
 from raysft.config.load import config_from_dict, load_config
 from raysft.config.sections import (
@@ -40,6 +40,5 @@ __all__ = [
     "ATTN_IMPLEMENTATIONS", "BUILTIN", "LOSS_SPIKE_MIN_HISTORY", "LOSS_SPIKE_WINDOW", "SCORERS", "TRACKERS",
     "CheckpointConfig", "ConfigError", "DataConfig", "DpoConfig", "GenEvalConfig", "LoraConfig", "MetricsConfig",
     "ModelConfig", "ParallelConfig", "Precision", "RunConfig", "ScalingConfig", "TrainConfig", "TrainLoopConfig",
-    "best_mode", "config_from_dict", "data_sources", "load_config", "parallel_layout", "reference_markdown",
-    "sequence_layout",
+    "best_mode", "config_from_dict", "data_sources", "load_config", "reference_markdown",
 ]

@@ -24,6 +24,7 @@ from raysft.config.sections import (
     TrainConfig,
     TrainLoopConfig,
 )
+from raysft.distributed.layout import ParallelDims
 from raysft.errors import ConfigError
 from raysft.storage import is_remote
 
@@ -157,7 +158,7 @@ def check_data(d: DataConfig) -> None:
 
 
 def check_parallel(p: ParallelConfig) -> None:
-    """What needs no worker count; the layout is checked for each (parallel_layout)."""
+    """What needs no worker count; the layout is checked for each (ParallelDims.check_config)."""
     _require(p.sequence_parallel >= 1, "parallel.sequence_parallel",
              f"must be >= 1 (1: off), got {p.sequence_parallel}")
     _require(p.fp16_init_scale > 0, "parallel.fp16_init_scale", f"must be > 0, got {p.fp16_init_scale}")
@@ -186,8 +187,8 @@ def check_metrics(m: MetricsConfig) -> None:
 
 
 def _validate_batch(cfg: TrainConfig) -> None:
-    """The batch against the data layout and every worker count Ray may pick (scaling.min_workers: elastic): a
-    step's samples are dealt over the data-parallel groups, world size / parallel.sequence_parallel of them."""
+    """The batch against the parallel layout for every worker count Ray may pick (scaling.min_workers: elastic): a
+    step's samples are dealt over the layout's data-parallel groups."""
     t, s, d = cfg.train, cfg.scaling, cfg.data
     if t.micro_batch_tokens:
         _require(d.packing, "train.micro_batch_tokens", "needs data.packing: true (padded batches are cut by samples)")
@@ -197,8 +198,7 @@ def _validate_batch(cfg: TrainConfig) -> None:
              "'varlen' needs data.packing: true (it takes the sample boundaries of packed rows)")
     n = cfg.parallel.sequence_parallel
     for workers in range(s.min_workers or s.num_workers, s.num_workers + 1):  # elastic: every size Ray may pick
-        parallel_layout(cfg.parallel, workers)
-        groups = workers // n  # the data-parallel groups: the N workers of a sequence group take the same samples
+        groups = ParallelDims.check_config(cfg.parallel, workers)  # the N workers of a sequence group: one group
         per_step = (1 if t.micro_batch_tokens else t.micro_batch_size) * groups
         takers = f"workers ({workers})" if n == 1 else f"data-parallel groups ({workers} workers / {n} = {groups})"
         _require(
@@ -335,44 +335,3 @@ def _validate_lora(lora: LoraConfig) -> None:
 
     _require(importlib.util.find_spec("peft") is not None, "model.lora",
              "LoRA needs peft, which is not installed: pip install 'raysft[lora]' (or set model.lora.r: 0)")
-
-
-def parallel_layout(p: ParallelConfig, num_workers: int) -> tuple[int, int, int] | None:
-    """The (replicate, shard, sequence) sizes that the configuration fixes for `num_workers` workers, checked: the
-    rules of the layout that need no cluster, here so that loading a configuration refuses a layout for every
-    worker count it allows; raysft.parallel.layout.ParallelDims is built from them in the workers. None:
-    HYBRID_SHARD without hsdp_shard_size, whose sizes come from the nodes (then `sequence_layout` carves the
-    sequence dimension out of them)."""
-    shard, n = p.hsdp_shard_size, p.sequence_parallel
-    _require(shard >= 0, "parallel.hsdp_shard_size", f"must be >= 0, got {shard}")
-    _require(num_workers % n == 0, "parallel.sequence_parallel",
-             f"{n} does not divide {num_workers} workers: each sequence group is N workers")
-    if p.sharding != "HYBRID_SHARD":
-        _require(shard == 0, "parallel.hsdp_shard_size", f"applies to HYBRID_SHARD only (sharding is {p.sharding})")
-        return sequence_layout(p, *((num_workers, 1) if p.sharding == "NO_SHARD" else (1, num_workers)))
-    _require(num_workers >= 4, "parallel.sharding",
-             f"HYBRID_SHARD needs at least 4 workers (2 replicas of a shard group of 2 or more), got "
-             f"scaling.num_workers={num_workers}; use FULL_SHARD")
-    if not shard:
-        return None
-    _require(num_workers % shard == 0, "parallel.hsdp_shard_size",
-             f"shard-group size {shard} does not divide scaling.num_workers={num_workers}")
-    _require(1 < shard < num_workers, "parallel.hsdp_shard_size",
-             f"shard-group size {shard} of {num_workers} workers leaves "
-             f"{'nothing to shard (use NO_SHARD)' if shard == 1 else 'nothing to replicate (use FULL_SHARD)'}")
-    return sequence_layout(p, num_workers // shard, shard)
-
-
-def sequence_layout(p: ParallelConfig, replicate: int, shard: int) -> tuple[int, int, int]:
-    """(replicate, shard, sequence): the sequence groups of parallel.sequence_parallel consecutive workers carved
-    out of the shard group, which lies inside a node (out of the replicas for NO_SHARD, whose shard group is one
-    worker)."""
-    n = p.sequence_parallel
-    if p.sharding == "NO_SHARD":
-        _require(replicate % n == 0, "parallel.sequence_parallel", f"{n} does not divide {replicate} workers")
-        return replicate // n, 1, n
-    _require(shard % n == 0, "parallel.sequence_parallel",
-             f"{n} does not divide the shard group of {shard} workers ({p.sharding}; a sequence group stays inside a "
-             "shard group, inside a node)")
-    return replicate, shard // n, n
-

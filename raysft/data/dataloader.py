@@ -136,7 +136,7 @@ def micro_batches(global_batch: np.ndarray, lengths: np.ndarray, rank: int, worl
                   micro_batch_tokens: int = 0) -> list[np.ndarray]:
     """This rank's micro-batches of a global batch, the one cut training and evaluation share: rows of about
     micro_batch_tokens tokens where that is set (token_budget_micro_batches), else micro_batch_size samples each.
-    `rank` and `world_size` are data-parallel (raysft.parallel.layout: a sequence group takes one share)."""
+    `rank` and `world_size` are data-parallel (raysft.distributed.layout: a sequence group takes one share)."""
     if micro_batch_tokens:
         return token_budget_micro_batches(global_batch, lengths, rank, world_size, micro_batch_tokens)
     return rank_micro_batches(global_batch, rank, world_size, micro_batch_size)

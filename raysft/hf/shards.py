@@ -1,9 +1,9 @@
 """A full checkpoint's tensors in files as Hugging Face writes a large model: groups of about SHARD_BYTES, each in
 `{stem}-0000i-of-0000n.safetensors`, and `{stem}.safetensors.index.json` naming the file of every tensor. The
 model has the stem "model" (transformers, vLLM and the safetensors tools read the directory as any HF model); the
-optimizer state has the stem "optimizer", the same layout, so a rank resuming reads its slices of both the same
-way. What fits one group is one `{stem}.safetensors` and no index, as save_pretrained writes a small model; both
-layouts load and export alike.
+optimizer state has the stem "optimizer", in files named and grouped alike, so a rank resuming reads its slices of
+both the same way. What fits one group is one `{stem}.safetensors` and no index, as save_pretrained writes a small
+model; both forms load and export alike.
 
 SHARD_BYTES is transformers' own default for save_pretrained, so a large model's fp32 weights are many files
 rather than one, each copied, checked and uploaded on its own. It bounds no memory: the save gathers one tensor at a
@@ -71,7 +71,7 @@ def naming_file(ckpt_dir: Path, stem: str) -> Path:
     return index if index.is_file() else ckpt_dir / single_file(stem)
 
 
-def is_layout_file(name: str) -> bool:
+def is_tensor_or_index_file(name: str) -> bool:
     """A tensor file or the index of one stem: what export and chat replace with their own."""
     return is_tensor_file(name) or name in {index_name(s) for s in STEMS}
 
@@ -105,7 +105,7 @@ def write_index(out_dir: Path, stem: str, groups: list[list[str]], names: list[s
 
 
 def listed_files(ckpt_dir: Path, stem: str) -> list[str]:
-    """The files of one stem: those its index names (each a file name of this layout, none elsewhere), or the
+    """The files of one stem: those its index names (each a numbered file of the stem, beside the index), or the
     single file. Raises CheckpointError naming the index."""
     index = ckpt_dir / index_name(stem)
     if not index.is_file():

@@ -31,6 +31,7 @@ from raysft.checkpoint.memory import remove_run, resolve_memory_dir
 from raysft.config import ScalingConfig as RaysftScaling
 from raysft.config import TrainConfig, best_mode
 from raysft.distributed.collectives import process_group_backend
+from raysft.distributed.layout import check_hsdp_shard_size_fits_nodes
 from raysft.distributed.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.errors import CannotPlaceWorkers
 from raysft.evals.validation import RAY_GRACE_S, task_resources, validate_checkpoint, validation_kwargs
@@ -43,7 +44,6 @@ from raysft.launch.ray_worker import (
     train_worker,
 )
 from raysft.launch.signals import DriverSignals, Stopped
-from raysft.parallel.layout import check_hsdp_shard_size_fits_nodes
 from raysft.storage import Location, location
 from raysft.training.gen_log import log_remaining
 

@@ -1,5 +1,5 @@
 """FSDP2 applied in one place: the dtype policy, and `fully_shard` for each sharding strategy on the mesh that
-raysft.parallel.layout builds (ParallelDims.build_mesh), after sequence parallelism's attention, FP8's linear layers,
+raysft.distributed.layout builds (ParallelDims.build_mesh), after sequence parallelism's attention, FP8's linear layers,
 activation checkpointing and torch.compile.
 
 PyTorch's FSDP1 names all use the same `fully_shard` code path: FULL_SHARD, HYBRID_SHARD and NO_SHARD differ only

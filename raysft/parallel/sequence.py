@@ -16,12 +16,12 @@ The rest of the step needs no change of its own:
   label of a slice's last token comes from the next worker's first token), divided by the label tokens of the
   whole global batch as without sequence parallelism;
 - gradients: FSDP shards over every worker of the data-parallel and the sequence dimension together (the two
-  flattened, `raysft.parallel.layout`), so its reduce-scatter sums every worker's partial gradient, sequence groups
+  flattened, `raysft.distributed.layout`), so its reduce-scatter sums every worker's partial gradient, sequence groups
   included; the trainer's loss factor (world size / global label tokens) undoes FSDP's average over all of them.
   No separate all-reduce over the sequence group is needed, and parameters, gradients and optimizer state are
   sharded N times finer as a bonus.
 - the data: the N workers of a group train on the same samples; the global batch is dealt over the
-  world_size / N groups (raysft.parallel.layout: `ParallelDims.place`), so every sample is still seen once per epoch.
+  world_size / N groups (raysft.distributed.layout: `ParallelDims.place`), so every sample is still seen once per epoch.
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ from transformers import AttentionInterface, PretrainedConfig
 
 from raysft.config import ConfigError, TrainConfig
 from raysft.data import IGNORE_INDEX
+from raysft.distributed.layout import SequenceShard
 from raysft.model.attention import VARLEN, varlen_attention_forward
 from raysft.model.loss import loss_inputs
-from raysft.parallel.layout import SequenceShard
 
 ULYSSES = "raysft_ulysses"  # the attention name the model runs under with sequence parallelism
 
 
 def check_sequence_parallel(cfg: TrainConfig, hf_config: PretrainedConfig) -> None:
     """ConfigError, on the driver, for what sequence parallelism cannot run beyond its layout (N dividing every
-    worker count and the shard group: raysft.parallel.layout): the model's attention heads must divide by
+    worker count and the shard group: raysft.distributed.layout): the model's attention heads must divide by
     N; the row must be packed with varlen attention (SDPA would build its mask from a worker's slice, not the whole
     row) and the loss chunked (it takes labels already shifted across the slices). KV heads need not divide N: they
     are repeated up to a multiple of it."""

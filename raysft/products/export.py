@@ -75,7 +75,7 @@ def export(checkpoint_dir: str | os.PathLike | Location, out_dir: str | os.PathL
     check_export_target(out, overwrite, ckpt)
     with built_then_renamed(out) as tmp:  # an existing `out` was checked above: an earlier export
         for name in ckpt.files():  # config, generation config, tokenizer: whatever is not weights or training state
-            if ("/" not in name and name not in TRAINING_FILES and not hf_shards.is_layout_file(name)
+            if ("/" not in name and name not in TRAINING_FILES and not hf_shards.is_tensor_or_index_file(name)
                     and not hf_shards.is_dcp_file(name)):
                 (ckpt / name).download(tmp / name)
         with local_copy(ckpt, _is_model_file) if mode == "full" else contextlib.nullcontext() as local:
@@ -123,7 +123,7 @@ def check_export_target(out_dir: str | os.PathLike, overwrite: bool | Literal["e
 
 
 def _is_model_file(name: str) -> bool:
-    return hf_shards.is_layout_file(name) and name.startswith("model")
+    return hf_shards.is_tensor_or_index_file(name) and name.startswith("model")
 
 
 def check_checkpoint_tensors(stored: dict[str, Stored], config_dir: Path, lora: dict | None, where: str) -> None:

@@ -38,11 +38,11 @@ from transformers import PretrainedConfig
 
 from raysft.checkpoint.checkpointer import FULL_SAVE_MAX_BYTES
 from raysft.checkpoint.memory import partners, resolve_memory_dir
-from raysft.config import ConfigError, TrainConfig
+from raysft.config import TrainConfig
+from raysft.distributed.layout import ParallelDims
 from raysft.hf.dtypes import DTYPES
 from raysft.model.build import build_meta_model, decoder_layer_classes
 from raysft.model.lora import add_adapters
-from raysft.parallel.layout import ParallelDims
 from raysft.training.objective import objective_for
 
 GiB, MiB = 2**30, 2**20
@@ -97,26 +97,6 @@ class Topology:
     host_mem_bytes: float | None = None  # per node; None: unknown (no --host-mem-gib)
 
 
-def shard_group(cfg: TrainConfig, topology: Topology) -> int:
-    """FSDP's shard group, as raysft.parallel.layout lays it out for the workers spread evenly on the nodes."""
-    workers, nodes = topology.workers, topology.nodes
-    p = cfg.parallel
-    if p.sharding == "HYBRID_SHARD" and not p.hsdp_shard_size and (nodes < 2 or workers % nodes):
-        raise ConfigError(f"config key 'parallel.sharding': HYBRID_SHARD over {workers} workers on "
-                          f"{nodes} node(s) has no shard group: give --nodes (2 or more, dividing the "
-                          "workers) or set parallel.hsdp_shard_size")
-    node_ranks = [rank * nodes // workers for rank in range(workers)]
-    return ParallelDims.from_config(p, node_ranks).shard_group_size
-
-
-def replicated(cfg: TrainConfig, topology: Topology) -> bool:
-    """Whether a shard has replicas (HYBRID_SHARD, NO_SHARD over several workers): their snapshots stand in for
-    one another, and the memory tier sends no copy."""
-    workers, nodes = topology.workers, topology.nodes
-    node_ranks = [rank * nodes // workers for rank in range(workers)]
-    return ParallelDims.from_config(cfg.parallel, node_ranks).replicate > 1
-
-
 def micro_batch_tokens(cfg: TrainConfig) -> int:
     """The most tokens one micro-batch can hold: train.micro_batch_tokens, else micro_batch_size padded rows of
     data.max_seq_len (shorter data pads to less). train.objective dpo counts two sequences per pair: the
@@ -143,7 +123,7 @@ def activation_bytes(cfg: TrainConfig, shape: ModelShape, tokens: int) -> float:
 class Plan:
     shape: ModelShape
     topology: Topology
-    shard_group: int
+    dims: ParallelDims  # the workers spread evenly over the topology's nodes
     tokens: int
     terms: dict[str, float]  # per worker
     early_backward: float
@@ -153,6 +133,10 @@ class Plan:
     init_host_bytes: float  # host memory of the rank building the initial weights that needs most, beyond its shards
     rank0_init: str | None  # why rank 0 would load model.path whole and broadcast it (None: each rank its slices)
     host_offload_bytes: float  # per worker, with parallel.cpu_offload: its shards on the host
+
+    @property
+    def shard_group(self) -> int:
+        return self.dims.shard_group_size
 
     @property
     def peak(self) -> float:
@@ -168,7 +152,8 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
     """The memory a run of `cfg` needs on `topology`; `tokens`: the largest micro-batch (default: its bound);
     `rank0_init`: why model.path's weights would be loaded whole by rank 0 (raysft.tools.architectures'
     initial_weights_fallback), None when each rank reads its slices."""
-    s = shard_group(cfg, topology)
+    dims = ParallelDims.spread(cfg.parallel, topology.workers, topology.nodes)
+    s = dims.shard_group_size
     p, r = DTYPES[cfg.parallel.mixed_precision].itemsize, DTYPES[cfg.parallel.reduce_dtype].itemsize
     tokens = tokens or micro_batch_tokens(cfg)
     layer = shape.layer_params
@@ -176,7 +161,7 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
         gathered = p * (shape.params + 2 * layer)
     else:
         gathered = p * (shape.root_params + (2 if s > 1 else 1) * layer)
-    local = math.ceil(tokens / cfg.parallel.sequence_parallel)  # this worker's part of the row
+    local = math.ceil(tokens / dims.sequence)  # this worker's part of the row
     chunk = min(local, cfg.train.loss_chunk_tokens) if cfg.train.loss_chunk_tokens else local
     shards = 4 * shape.params / s
     terms = {
@@ -211,7 +196,7 @@ def plan(cfg: TrainConfig, shape: ModelShape, topology: Topology, tokens: int | 
         init_host = 4 * shape.params
     else:
         init_host = 4 * shape.largest_module / s if cfg.model.path else 4 * shape.largest_module
-    return Plan(shape, topology, s, tokens, terms, early, end, checkpoint, save_host, init_host, rank0_init,
+    return Plan(shape, topology, dims, tokens, terms, early, end, checkpoint, save_host, init_host, rank0_init,
                 shards + offloaded if cfg.parallel.cpu_offload else 0.0)
 
 
@@ -249,19 +234,17 @@ def memory_tier_host(cfg: TrainConfig, result: Plan) -> MemoryTierHost:
     the training state (what a sharded checkpoint of it holds) in staging buffers, its newest 2 snapshots on the node
     and, when a shard has no replica on another node, the 2 of each part the node's workers receive from the
     previous node (as many as their own on nodes of one size; more on a node smaller than the one before it)."""
-    topo = result.topology
-    node_ranks = [rank * topo.nodes // topo.workers for rank in range(topo.workers)]
-    copies = topo.nodes > 1 and not replicated(cfg, topo)
+    dims = result.dims
+    copies = not dims.replicated  # no replica on another node holds a rank's shards (one node: partners sends none)
 
-    def parts(node: int) -> tuple[int, int]:  # (its workers' own parts, the parts they receive)
-        ranks = [r for r, n in enumerate(node_ranks) if n == node]
-        return len(ranks), sum(len(partners(node_ranks, r)[1]) for r in ranks) if copies else 0
+    def parts(ranks: list[int]) -> tuple[int, int]:  # (a node's workers' own parts, the parts they receive)
+        return len(ranks), sum(len(partners(dims.nodes, r)[1]) for r in ranks) if copies else 0
 
-    own, received = max((parts(node) for node in sorted(set(node_ranks))), key=lambda p: 3 * p[0] + 2 * p[1])
+    own, received = max((parts(ranks) for ranks in dims.ranks_by_node.values()), key=lambda p: 3 * p[0] + 2 * p[1])
     part = result.save_host_bytes["sharded"]
     terms = {"staging buffers": own * part, "own snapshots": SNAPSHOTS_KEPT * own * part,
              "partner copies": SNAPSHOTS_KEPT * received * part}
-    return MemoryTierHost(own, terms, topo.host_mem_bytes)
+    return MemoryTierHost(own, terms, result.topology.host_mem_bytes)
 
 
 def render_memory_tier(cfg: TrainConfig, tier: MemoryTierHost, unit: str, size: float) -> list[str]:

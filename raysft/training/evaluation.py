@@ -22,8 +22,8 @@ from torch import nn
 
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, to_device
+from raysft.distributed.layout import SequenceShard
 from raysft.model.loss import micro_batch_loss_sum
-from raysft.parallel.layout import SequenceShard
 from raysft.parallel.sequence import model_batch
 
 

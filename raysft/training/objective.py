@@ -26,9 +26,9 @@ from raysft.data.dataloader import TokenizedDataset
 from raysft.data.prepare import prepare_store
 from raysft.data.store import ROWS_PER_PAIR, ObjectiveName, Split, StoreInfo, pairs_in
 from raysft.distributed.collectives import all_ranks
+from raysft.distributed.layout import SequenceShard
 from raysft.model.loss import install_chunked_loss
 from raysft.model.preference_loss import disable_dropout, install_sequence_nll
-from raysft.parallel.layout import SequenceShard
 from raysft.training.evaluation import Evaluator
 from raysft.training.metrics import MetricsLogger
 from raysft.training.preference import PreferenceStep
@@ -179,8 +179,8 @@ class DPO(Objective):
         if not self.reference_files:
             return None
         path, missing = self._reference_file(store)
-        return reference_logps(path, missing, model, dataset, self.cfg, worker.shard.dp_rank, worker.shard.dp_size,
-                               worker.device, worker.pad_id, worker.log)
+        return reference_logps(path, missing, model, dataset, self.cfg, worker.shard, worker.device,
+                               worker.pad_id, worker.log)
 
 
 OBJECTIVES: dict[str, type[Objective]] = {"sft": SFT, "dpo": DPO}

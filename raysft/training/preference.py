@@ -30,6 +30,7 @@ from raysft.data.dataloader import (
     sample_lengths,
     to_device,
 )
+from raysft.distributed.layout import SequenceShard
 from raysft.model.lora import adapters_disabled
 from raysft.model.preference_loss import (
     PAIR_METRICS,
@@ -39,7 +40,6 @@ from raysft.model.preference_loss import (
     sequence_logps,
     sequence_loss_inputs,
 )
-from raysft.parallel.layout import SequenceShard
 from raysft.training.metrics import StepResult
 
 

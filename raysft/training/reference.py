@@ -28,6 +28,7 @@ from torch import nn
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, pair_rows, to_device
 from raysft.data.store import pairs_in
+from raysft.distributed.layout import SequenceShard
 from raysft.errors import CheckpointError
 from raysft.hf.fingerprint import weights_fingerprint
 from raysft.model.build import PRESETS
@@ -81,11 +82,13 @@ def read_reference(path: Path, rows: int) -> torch.Tensor:
     return logps
 
 
-def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig, rank: int, world_size: int,
+def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig, shard: SequenceShard,
                       device: torch.device, pad_id: int) -> torch.Tensor:
     """Collective: every row's answer log-probability under `model` as it is now, without gradients, the model
-    in eval mode and the RNG states put back afterwards. Each rank takes pairs rank, rank + W, ... in micro-batches
-    of train.micro_batch_size pairs, as many as every other rank runs (lockstep_micro_batches)."""
+    in eval mode and the RNG states put back afterwards. `shard`: this rank's place in the layout
+    (ParallelDims.place; DPO runs without sequence parallelism, so every rank is a data-parallel group of its own).
+    Each rank takes pairs d, d + D, ... (d of D data-parallel ranks) in micro-batches of train.micro_batch_size
+    pairs, as many as every other rank runs (lockstep_micro_batches)."""
     pairs = np.arange(pairs_in(len(dataset)))
     logps = torch.zeros(len(dataset), dtype=torch.float64, device=device)
     cpu_rng = torch.get_rng_state()
@@ -93,7 +96,8 @@ def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainCon
     model.eval()
     try:
         with torch.no_grad():
-            for part, real in lockstep_micro_batches(pairs, None, rank, world_size, cfg.train.micro_batch_size):
+            for part, real in lockstep_micro_batches(pairs, None, shard.dp_rank, shard.dp_size,
+                                                     cfg.train.micro_batch_size):
                 rows = pair_rows(part)
                 batch = pair_batch(collate(dataset, rows, pad_id, cfg.data.packing))
                 values, _ = sequence_logps(model, to_device(batch, device), len(rows))
@@ -107,14 +111,14 @@ def compute_reference(model: nn.Module, dataset: TokenizedDataset, cfg: TrainCon
 
 
 def reference_logps(path: Path, missing: bool, model: nn.Module, dataset: TokenizedDataset, cfg: TrainConfig,
-                    rank: int, world_size: int, device: torch.device, pad_id: int, log: MetricsLogger) -> torch.Tensor:
+                    shard: SequenceShard, device: torch.device, pad_id: int, log: MetricsLogger) -> torch.Tensor:
     """Collective when `missing` (on some rank): the reference log-probabilities of every row of `dataset`'s store,
     computed by a pass of the model as it is now (the starting weights) and written to `path` beside the store;
     else read from there. Either way an event in the run's log says which."""
     if missing:
         start = time.perf_counter()
-        logps = compute_reference(model, dataset, cfg, rank, world_size, device, pad_id)
-        if rank == 0:
+        logps = compute_reference(model, dataset, cfg, shard, device, pad_id)
+        if shard.dp_rank == 0:
             write_reference(path, logps, path.parent.parent, cfg)
         dist.barrier()
         log.event("reference_logps", file=str(path), rows=len(logps), seconds=round(time.perf_counter() - start, 3))

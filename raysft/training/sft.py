@@ -18,8 +18,8 @@ from torch import nn
 
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, micro_batches, sample_lengths, to_device
+from raysft.distributed.layout import SequenceShard
 from raysft.model.loss import micro_batch_loss_sum
-from raysft.parallel.layout import SequenceShard
 from raysft.parallel.sequence import model_batch
 from raysft.training.metrics import StepResult
 

@@ -6,6 +6,7 @@ from). The loop is the same for every objective: SFT or DPO chooses its own loss
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from raysft.checkpoint.checkpointer import open_memory_tier
 from raysft.config import TrainConfig
 from raysft.data.dataloader import GlobalBatchSampler
 from raysft.data.tokenizer import load_tokenizer
+from raysft.distributed.layout import ParallelDims, gather_nodes
 from raysft.model.build import (
     build_meta_model,
     load_initial_weights,
@@ -29,7 +31,6 @@ from raysft.model.build import (
 )
 from raysft.model.lora import add_adapters, record
 from raysft.parallel.fsdp import parallelize
-from raysft.parallel.layout import ParallelDims, gather_node_ranks
 from raysft.training.gen_log import GenEvalLog
 from raysft.training.metrics import (
     MetricsLogger,
@@ -95,7 +96,8 @@ class Trainer:
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
-        self.dims = ParallelDims.from_config(cfg.parallel, gather_node_ranks(ctx.node_rank, ctx.device))
+        node_ranks, nodes = gather_nodes(ctx.node_rank, ctx.node or socket.gethostname())
+        self.dims = ParallelDims.from_config(cfg.parallel, node_ranks, nodes)
         self.mesh, self.sequence_group = self.dims.build_mesh(ctx.device.type), self.dims.sequence_group()
         self.shard = self.dims.place(ctx.rank)
         if t.deterministic:
@@ -123,7 +125,7 @@ class Trainer:
         self.totals = StepTotals(ctx.device, self.peak_tflops)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.objs, self.sink, self.log, ctx.rank, ctx.device,
                                          preemption_deadline, stop_requested,
-                                         open_memory_tier(cfg, self.objs, ctx.node, self.dims, ctx.device, self.log))
+                                         open_memory_tier(cfg, self.objs, self.dims, ctx.device, self.log))
         resume = self.checkpointer.newest(resume_dir)  # the memory tier's snapshot or the stored checkpoint
         stores = [store] + ([eval_store] if eval_store else [])
         # LoRA checkpoints hold the adapters only; a reference pass reads the starting weights, also on a resume

@@ -12,6 +12,7 @@ A part on the rank's own node is preferred to one that must be sent.
 from __future__ import annotations
 
 import json
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from raysft.checkpoint.memory.directory import STEP_PREFIX
 from raysft.checkpoint.memory.files import header_problem, read_header
 from raysft.checkpoint.memory.reshard import needed_places
-from raysft.parallel.layout import ParallelDims
+from raysft.distributed.layout import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Held:
     attempt: str  # the launch attempt that wrote it
     place: int  # its rank's place in its shard group: replicas share it
     world_size: int
-    layout: dict = field(hash=False)
+    cut: dict = field(hash=False)  # the parallel layout it was cut for: sharding and ParallelDims' sizes
 
 
 @dataclass
@@ -65,31 +66,31 @@ def list_parts(node_dir: Path, run_id: str, holder: int) -> tuple[list[Held], li
     return found, ignored
 
 
-def plan_resume(parts: list[Held], nodes: list[str], dims: ParallelDims, layout: dict,
+def plan_resume(parts: list[Held], dims: ParallelDims, cut: dict,
                 targets: dict[str, torch.Tensor]) -> tuple[Plan | None, str]:
-    """The newest step one attempt left whole (every rank's `nodes`, this launch's `dims` and `layout`, its state
-    dict's `targets` for their global shapes), and what each rank reads of it; or None and why not (the newest
-    step's reason). The same on every rank, given the same parts."""
+    """The newest step one attempt left whole (this launch's `dims`, every rank's node among them, and `cut`, its
+    state dict's `targets` for their global shapes), and what each rank reads of it; or None and why not (the
+    newest step's reason). The same on every rank, given the same parts."""
     steps: dict[tuple[int, str], dict[int, list[Held]]] = {}
     for h in parts:
         steps.setdefault((h.step, h.attempt), {}).setdefault(h.place, []).append(h)
     why = None
     for (step, attempt) in sorted(steps, reverse=True):  # newest step first; of one step, the newest attempt first
-        plan, problem = _plan_step(step, attempt, steps[(step, attempt)], nodes, dims, layout, targets)
+        plan, problem = _plan_step(step, attempt, steps[(step, attempt)], dims, cut, targets)
         if plan is not None:
             return plan, ""
         why = why or problem
     return None, why or "no snapshot in memory"
 
 
-def _plan_step(step: int, attempt: str, by_place: dict[int, list[Held]], nodes: list[str], dims: ParallelDims,
-               layout: dict, targets: dict[str, torch.Tensor]) -> tuple[Plan | None, str]:
+def _plan_step(step: int, attempt: str, by_place: dict[int, list[Held]], dims: ParallelDims, cut: dict,
+               targets: dict[str, torch.Tensor]) -> tuple[Plan | None, str]:
     held = [h for hs in by_place.values() for h in hs]
-    cuts = {(h.world_size, json.dumps(h.layout, sort_keys=True)) for h in held}
+    cuts = {(h.world_size, json.dumps(h.cut, sort_keys=True)) for h in held}
     if len(cuts) > 1:
         return None, f"the parts of step {step} from launch attempt {attempt} were cut for different layouts"
     old = held[0]
-    old_places = old.layout.get("shard", 0) * old.layout.get("sequence", 0)
+    old_places = old.cut.get("shard", 0) * old.cut.get("sequence", 0)
     missing = [p for p in range(old_places) if p not in by_place]
     if old_places < 1 or missing:
         what = (f"rank {missing[0]}'s part of step {step} (nor a copy of it)" if old_places == old.world_size else
@@ -104,18 +105,18 @@ def _plan_step(step: int, attempt: str, by_place: dict[int, list[Held]], nodes: 
         try:
             need = {place} if same_cut else needed_places(targets, old_places, new_places, place)
         except ValueError as e:
-            return None, (f"the snapshot of step {step}, cut for {old.world_size} workers ({describe(old.layout)}), "
-                          f"cannot be resharded for this launch's {dims.world_size} ({describe(layout)}): {e}")
-        sources[rank] = {p: _nearest(by_place[p], nodes, rank) for p in sorted(need)}
+            return None, (f"the snapshot of step {step}, cut for {old.world_size} workers ({describe(old.cut)}), "
+                          f"cannot be resharded for this launch's {dims.world_size} ({describe(cut)}): {e}")
+        sources[rank] = {p: _nearest(by_place[p], dims.nodes, rank) for p in sorted(need)}
     return Plan(step, old.world_size, old_places, same_cut, sources), ""
 
 
-def _nearest(candidates: list[Held], nodes: list[str], rank: int) -> Held:
+def _nearest(candidates: list[Held], nodes: Sequence[Hashable], rank: int) -> Held:
     """A part on the rank's own node if there is one, else the one of the lowest holder."""
     local = [h for h in candidates if nodes[h.holder] == nodes[rank]]
     return (local or sorted(candidates, key=lambda h: (h.holder, h.rank)))[0]
 
 
-def describe(layout: dict) -> str:
-    return f"{layout.get('sharding')}, replicate {layout.get('replicate')} x shard {layout.get('shard')} x " \
-           f"sequence {layout.get('sequence')}"
+def describe(cut: dict) -> str:
+    return f"{cut.get('sharding')}, replicate {cut.get('replicate')} x shard {cut.get('shard')} x " \
+           f"sequence {cut.get('sequence')}"

@@ -47,31 +47,23 @@ from raysft.checkpoint.memory.transport import Transport
 from raysft.checkpoint.state import TrainingObjects, TrainState, trainer_state_dict
 from raysft.config import CheckpointConfig
 from raysft.distributed.collectives import from_rank0
-from raysft.parallel.layout import ParallelDims
+from raysft.distributed.layout import ParallelDims
 
 
 class MemoryTier:
     """Snapshots of the training state in node-local memory, and the resume from them. The constructor is collective
-    (the tier's groups, every rank's node, the directory's checks); so are the methods that say so."""
+    (the tier's groups, the directory's checks); so are the methods that say so."""
 
-    def __init__(self, objs: TrainingObjects, c: CheckpointConfig, run_id: str, node: str, dims: ParallelDims,
+    def __init__(self, objs: TrainingObjects, c: CheckpointConfig, run_id: str, dims: ParallelDims,
                  sharding: str, device: torch.device, log, set_aside: tuple[str, ...] = ()):
         self.objs, self.every, self.run_id, self.log = objs, c.memory_every_n_steps, run_id, log
-        self.dims = dims  # this launch's layout, which a resume cuts a snapshot for
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        nodes: list = [None] * self.world_size
-        dist.all_gather_object(nodes, node)
-        self.nodes = nodes
-        self.layout = {"sharding": sharding, "replicate": dims.replicate, "shard": dims.shard,
-                       "sequence": dims.sequence}
-        self.replicas = [dims.shard_place(r) for r in range(self.world_size)]
-        # a rank's replica on another node holds its shards: no copy is sent when every rank has one
-        self.replicated = len(set(nodes)) > 1 and all(
-            any(self.replicas[o] == self.replicas[r] and nodes[o] != nodes[r] for o in range(self.world_size))
-            for r in range(self.world_size))
+        self.dims, self.nodes = dims, dims.nodes  # this launch's layout, which a resume cuts a snapshot for
+        self.cut = {"sharding": sharding, "replicate": dims.replicate, "shard": dims.shard, "sequence": dims.sequence}
         self.attempt = from_rank0(lambda: f"{time.time_ns():016x}{secrets.token_hex(4)}")  # sorts by time
-        self.transport = Transport(nodes, self.rank, c.memory_timeout_s, c.memory_copy_mb_per_s,
-                                   send_copies=not self.replicated)
+        # a rank's replica on another node holds its shards: no copy is sent when every rank has one
+        self.transport = Transport(self.nodes, self.rank, c.memory_timeout_s, c.memory_copy_mb_per_s,
+                                   send_copies=not dims.replicated)
         self.control = dist.new_group(backend="gloo")  # the step path's agreements, without a wait for the device
         self.stager = Stager(device)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysft-memory")
@@ -87,7 +79,7 @@ class MemoryTier:
             root = resolve_memory_dir(c.memory_dir)
             problem = check_memory_dir(root)
             if problem is None:
-                self.dir, self.live_fd = arrive(root, run_id, node, set_aside)
+                self.dir, self.live_fd = arrive(root, run_id, str(self.nodes[self.rank]), set_aside)
         except (OSError, TimeoutError) as e:
             problem = f"checkpoint.memory_dir: {type(e).__name__}: {e}"
         problems = self._gather(problem)
@@ -122,8 +114,8 @@ class MemoryTier:
         values = self.stager.small(torch.stack([v for _, _, v in held])) if held else None
         self.stager.copy(tensors)
         header = {"format": FORMAT, "run_id": self.run_id, "attempt": self.attempt, "step": state.step,
-                  "rank": self.rank, "world_size": self.world_size, "layout": self.layout,
-                  "replica": self.replicas[self.rank], "replicated": self.replicated,
+                  "rank": self.rank, "world_size": self.world_size, "layout": self.cut,
+                  "replica": self.dims.shard_place(self.rank), "replicated": self.dims.replicated,
                   "trainer_state": trainer_state_dict("memory", self.objs, state),
                   "metrics_rows": [[start, host] for start, host, _ in held]}  # every rank's, once gathered
         self.pending = self.writer.submit(self._write_and_copy, state.step, header, rng, values, self.whole)
@@ -274,8 +266,8 @@ class MemoryTier:
         if self.log is not None:
             for path, problem in sorted({item for _, bad in everyone for item in bad}):
                 self.log.event("memory_part_ignored", file=path, reason=problem)
-        return plan_resume([h for found, _ in everyone for h in found], self.nodes, dims, self.layout,
-                           flatten(*state_dicts(self.objs)))
+        parts = [h for found, _ in everyone for h in found]
+        return plan_resume(parts, dims, self.cut, flatten(*state_dicts(self.objs)))
 
     def _local(self, plan: Plan, rank: int, held: Held) -> Path:
         """Where `rank` reads `held`: on its node, where it lies or where it is sent (named by whose part it is)."""

@@ -14,7 +14,7 @@ buffer of its size in the process.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,16 +22,18 @@ import torch
 import torch.distributed as dist
 
 from raysft.checkpoint.memory.files import commit, map_file, map_new, temporary
+from raysft.distributed.layout import ranks_by_node
 
 CHUNK = 64 << 20  # bytes per send: a bounded rate sleeps between them, and each one's wait is bounded
 
 
-def partners(nodes: list[str], rank: int) -> tuple[int | None, list[int]]:
-    """(the rank `rank` sends its part to, the ranks it receives parts from); (None, []) on one node."""
-    order = list(dict.fromkeys(nodes))
+def partners(nodes: Sequence[Hashable], rank: int) -> tuple[int | None, list[int]]:
+    """(the rank `rank` sends its part to, the ranks it receives parts from), given every rank's node
+    (ParallelDims.nodes); (None, []) on one node."""
+    ranks_of = ranks_by_node(nodes)
+    order = list(ranks_of)
     if len(order) == 1:
         return None, []
-    ranks_of = {node: [r for r, n in enumerate(nodes) if n == node] for node in order}
 
     def send_to(r: int) -> int:
         nxt = ranks_of[order[(order.index(nodes[r]) + 1) % len(order)]]
@@ -44,7 +46,7 @@ class Transport:
     """This rank's side of the copies: `exchange` after each snapshot, `fetch` at a resume. Collective over the
     tier's group, which the constructor makes (every rank)."""
 
-    def __init__(self, nodes: list[str], rank: int, timeout_s: float, copy_mb_per_s: float = 0.0,
+    def __init__(self, nodes: Sequence[Hashable], rank: int, timeout_s: float, copy_mb_per_s: float = 0.0,
                  send_copies: bool = True):
         self.nodes, self.rank, self.copy_mb_per_s = nodes, rank, copy_mb_per_s
         self.timeout = timedelta(seconds=timeout_s)
