@@ -79,6 +79,9 @@ def test_all_strategies_match_a_single_process_reference(tmp_path, gloo_pool4):
                                    msg=lambda m, name=name: f"{name} losses: {m}")
         weights = load_file(tmp_path / f"{name}.safetensors")
         assert weights.keys() == ref_weights.keys()
+        # Adam divides each element's step by its own gradient's size, so float rounding in an element whose
+        # gradients nearly cancel moves it by up to ~1% of lr (1.2e-5 seen); a lost or doubled micro-batch moves
+        # most elements by about lr (3e-3) each step: far outside.
         for key, value in weights.items():
-            torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-2 * cfg.train.lr,
                                        msg=lambda m, name=name, key=key: f"{name} {key}: {m}")

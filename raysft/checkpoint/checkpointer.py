@@ -48,7 +48,7 @@ def choose_mode(mode: str, model: nn.Module, asynchronous: bool = False) -> str:
 
 def auto_mode(state_bytes: int, available_bytes: int, workers: int, asynchronous: bool) -> str:
     """Full (the directory transformers loads as it is) unless its cost grows with the run: rank 0 writes a full
-    checkpoint alone, so beyond FULL_SAVE_MAX_BYTES of fp32 weights and AdamW moments (12 bytes per parameter)
+    checkpoint alone, so beyond FULL_SAVE_MAX_BYTES of fp32 weights and AdamW moments (fp32: 3 × 4 bytes per parameter)
     the workers' own shards are written side by side instead; one worker writes everything either way. A
     synchronous full save holds one whole tensor at a time on rank 0, an async one the whole state (and a copy
     more): async keeps full only while a quarter of the host's available memory holds it."""

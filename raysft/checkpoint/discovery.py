@@ -81,7 +81,6 @@ def existing_checkpoint_names(run_dir: Path | Location) -> frozenset[str]:
     return frozenset(from_rank0(lambda: [p.name for p in checkpoint_dirs(run_dir)]))
 
 
-
 def new_run_id() -> str:
     return uuid.uuid4().hex
 

@@ -261,7 +261,6 @@ def to_device(batch: dict, device: torch.device) -> dict:
             if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-
 def pair_rows(pairs: np.ndarray) -> np.ndarray:
     """The store rows of preference pairs (store.PAIR_SCHEMA: pair k is rows 2k, chosen, and 2k + 1, rejected), in
     the pairs' order, each pair's chosen row first: collated together, the two answers of a pair share their

@@ -8,7 +8,7 @@ mtimes. What differs between two such models is their values, in practically eve
 fine-tune's update is dense (LoRA's B·A merged into a weight changes all of it). So each safetensors file is
 summed up by its size, its whole header and, of every tensor, WINDOWS windows of WINDOW_BYTES (its start, middle
 and end): a single tensor replaced changes its file's digest, and the read is bounded by 12 KiB per tensor plus the
-headers (under 9 MiB for a 70B model's 723 tensors). config.json and the index are small and hashed whole. Not
+headers (a few MiB even for a 70B model). config.json and the index are small and hashed whole. Not
 caught: a few bytes edited between the windows, which is an owner changing the file on purpose, not a swap.
 """
 

@@ -36,7 +36,7 @@ from raysft.model.lora import add_adapters, init_adapter, init_adapters, is_adap
 from raysft.model.seeded_init import clean_name, init_parameters
 
 PRESETS: dict[str, dict] = {
-    # ~1.2M parameters: learns the demo conversations in a few hundred CPU steps.
+    # small enough to learn the demo conversations in a few hundred CPU steps.
     "demo-tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=1024),
     # Architecture of Llama-3.2-1B, for throughput benchmarks.
