@@ -21,7 +21,7 @@ import raysft
 from raysft.checkpoint import CHECKPOINT_PREFIX
 from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import SCORERS, ConfigError, Precision, TrainConfig, best_mode, load_config
-from raysft.data import read_manifest, store_files
+from raysft.data import read_store_manifest, store_files
 from raysft.data.tokenizer import load_tokenizer
 from raysft.distributed.layout import ParallelDims, check_hsdp_shard_size_fits_nodes, node_sizes, spread_evenly
 from raysft.evals.runner import evaluate_model, summary
@@ -180,7 +180,7 @@ def _end_stopped(code: int) -> None:
 
 def _prepare(config: TrainConfig) -> int:
     store = objective_for(config).prepare_store(load_tokenizer(config.model, config.data.chat_template))
-    counts = read_manifest(store.path)["counts"]
+    counts = read_store_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
     if store.built_with == "ray":
         print(f"raysft: tokenized by Ray Data tasks into {len(store_files(store.path))} parquet files")

@@ -17,8 +17,8 @@ from raysft.data import (
     DataError,
     StoreFull,
     prepare_store,
-    read_manifest,
     read_store,
+    read_store_manifest,
     store_files,
 )
 from raysft.data.conversation import to_conversation
@@ -128,7 +128,7 @@ def test_bad_record_error_names_file_and_record(tmp_path, tok, reason):
 def test_skip_counts_bad_records_per_reason(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, *BAD_RECORDS.values(), GOOD])
     store = prepare_store(DataConfig(paths=[str(path)], on_bad_record="skip"), tok, tmp_path / "store")
-    counts = read_manifest(store.path)["counts"]
+    counts = read_store_manifest(store.path)["counts"]
     assert store.num_samples == 2 and counts["records"] == 2 + len(BAD_RECORDS)
     assert counts["skipped"] == {reason: 1 for reason in BAD_RECORDS}
 
@@ -170,7 +170,7 @@ def test_bad_rows_of_parquet_and_datasets_sources_get_the_errors_of_json_records
         assert messages[0].startswith("SOURCE: record 2: ") and messages[0] == messages[1], reason
     mixed = write_table(tmp_path / f"mixed{suffix}", [GOOD, *TABLE_BAD_RECORDS.values(), GOOD])
     store = prepare_store(DataConfig(paths=[str(mixed)], on_bad_record="skip"), tok, tmp_path / "store")
-    assert store.num_samples == 2 and read_manifest(store.path)["counts"]["skipped"] == dict.fromkeys(
+    assert store.num_samples == 2 and read_store_manifest(store.path)["counts"]["skipped"] == dict.fromkeys(
         TABLE_BAD_RECORDS, 1)
 
 
@@ -193,7 +193,7 @@ def test_store_is_reused_and_rebuilt_when_input_or_tokenizer_changes(tmp_path, t
     assert not first.reused and prepare_store(cfg, tok, tmp_path / "store").reused
     table = pq.read_table(first.path / "samples.parquet")
     assert table.num_rows == 3 and set(table.column_names) >= {"input_ids", "labels", "num_loss_tokens"}
-    manifest = read_manifest(first.path)
+    manifest = read_store_manifest(first.path)
     assert manifest["sources"][0]["path"] == str(path) and len(manifest["sources"][0]["sha256"]) == 64
 
     write_jsonl(path, [GOOD] * 4)  # changed input
@@ -260,7 +260,7 @@ def test_ray_store_equals_local_store_on_the_demo_data(tmp_path, tok, ray_cluste
 def test_ray_store_equals_local_store_on_fastchat_data(tmp_path, tok, ray_cluster, small_chunks):
     local, on_ray = prepare_both(tok, tmp_path, [FASTCHAT, "builtin:demo"], max_seq_len=24, on_bad_record="skip")
     assert_same_store(local, on_ray)
-    counts = read_manifest(on_ray.path)["counts"]
+    counts = read_store_manifest(on_ray.path)["counts"]
     assert counts["truncated"] > 0 and counts["skipped"]  # short max_seq_len: truncations and empty samples
 
 
@@ -275,10 +275,10 @@ def test_ray_store_equals_local_store_on_weighted_parquet_and_datasets_sources(t
                                                  {"path": str(tmp_path / "ds"), "weight": 1.5}],
                                  system_prompt="Be brief.")
     assert_same_store(local, on_ray)
-    counts = read_manifest(local.path)["counts"]
+    counts = read_store_manifest(local.path)["counts"]
     assert counts["records"] == 600 and 120 < counts["weighted_out"] < 180  # about half the parquet's 300
     assert 300 - counts["weighted_out"] + 300 < counts["samples"] < 600 + 300  # the datasets source 1.5 times
-    sources = read_manifest(local.path)["sources"]
+    sources = read_store_manifest(local.path)["sources"]
     assert [s.get("weight") for s in sources] == [0.5, 1.5]
 
 
@@ -301,7 +301,7 @@ def test_ray_skips_the_same_bad_records(tmp_path, tok, ray_cluster, small_chunks
     jsonl = write_jsonl(tmp_path / "d.jsonl", [GOOD, "", *BAD_RECORDS.values(), "  \t", GOOD] * 20)
     local, on_ray = prepare_both(tok, tmp_path, [data, jsonl], on_bad_record="skip")
     assert_same_store(local, on_ray)
-    counts = read_manifest(on_ray.path)["counts"]
+    counts = read_store_manifest(on_ray.path)["counts"]
     assert counts["records"] == 500 + 20 * (2 + len(BAD_RECORDS)) and on_ray.num_samples == 496 + 40
     assert counts["skipped"] == {"unknown_role": 21, "empty_conversation": 21, "no_assistant_turn": 21,
                                  "bad_structure": 21, "invalid_json": 20, "non_string_content": 20}
@@ -349,7 +349,7 @@ def test_jsonl_lines_read_the_same_cut_anywhere(tmp_path, tok, ray_cluster, smal
     monkeypatch.chdir(tmp_path)
     local, on_ray = prepare_both(tok, tmp_path, ["d.jsonl"], on_bad_record="skip")
     assert_same_store(local, on_ray)
-    assert read_manifest(on_ray.path)["counts"]["skipped"] == {"invalid_json": 150}
+    assert read_store_manifest(on_ray.path)["counts"]["skipped"] == {"invalid_json": 150}
     assert read_store(on_ray.path).column("source")[0].as_py() == "d.jsonl"
     assert read_store(on_ray.path).column("record").to_pylist()[-3:] == [597, 599, 600]
 
@@ -429,7 +429,7 @@ def test_a_full_store_disk_is_named_and_with_space_again_a_whole_store_is_writte
     expected = prepare_store(DataConfig(paths=["builtin:demo"], prepare="local"), tok, tmp_path / "elsewhere")
     assert not store.reused and store.path.name == expected.path.name
     assert read_store(store.path).equals(read_store(expected.path))
-    assert read_manifest(store.path) == read_manifest(expected.path)
+    assert read_store_manifest(store.path) == read_store_manifest(expected.path)
 
 
 NOTHING_TO_LEARN = {
@@ -509,7 +509,7 @@ def test_a_prepare_killed_mid_build_leaves_a_directory_the_next_prepare_removes(
         d.mkdir()
     built = prepare_store(DataConfig(paths=[str(data)]), tok, store)
     assert not leftover.exists() and all(d.is_dir() for d in theirs)  # only raysft's own build directories
-    assert not built.reused and read_manifest(built.path)["counts"]["samples"] == 3
+    assert not built.reused and read_store_manifest(built.path)["counts"]["samples"] == 3
     assert sorted(p.name for p in store.iterdir()) == sorted([built.path.name, "building", *(d.name for d in theirs)])
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import final_weights, tiny_config
 
 from raysft.config import DataConfig, ModelConfig
-from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
+from raysft.data import IGNORE_INDEX, prepare_store, read_store, read_store_manifest
 from raysft.data.conversation import BadRecord
 from raysft.data.dataloader import TokenizedDataset, collate, pair_rows
 from raysft.data.preference import SkippedPair, label_pair, to_pair
@@ -130,8 +130,8 @@ def test_a_store_of_over_long_ultrafeedback_pairs_counts_what_each_truncation_mo
     stores = {}
     for mode in ("skip", "keep_start", "keep_end"):
         stores[mode] = prepare_store(cfg, tok, tmp_path / "stores", objective="dpo", truncation_mode=mode).path
-        assert read_manifest(stores[mode])["key"]["truncation_mode"] == mode
-    counts = {mode: read_manifest(store)["counts"] for mode, store in stores.items()}
+        assert read_store_manifest(stores[mode])["key"]["truncation_mode"] == mode
+    counts = {mode: read_store_manifest(store)["counts"] for mode, store in stores.items()}
     assert counts["skip"]["pairs"] == 2 and counts["skip"]["skipped"] == {"answer_truncated": 1,
                                                                           "prompt_too_long": 1}
     assert counts["keep_start"]["pairs"] == 3 and counts["keep_start"]["skipped"] == {"prompt_too_long": 1}
@@ -166,11 +166,11 @@ def test_the_store_holds_pairs_counts_skips_and_never_mixes_with_sft(tmp_path, t
     store = prepare_store(cfg, tok, tmp_path / "stores", objective="dpo").path
     table = read_store(store).to_pylist()
     assert [(r["record"], r["chosen"]) for r in table] == [(0, True), (0, False), (2, True), (2, False)]
-    counts = read_manifest(store)["counts"]
+    counts = read_store_manifest(store)["counts"]
     assert counts["pairs"] == 2 and counts["skipped"] == {"identical_answers": 1}
     # the objective is part of the fingerprint: the same files read as SFT conversations are another store (and
     # these records are no conversations)
-    assert read_manifest(store)["key"]["objective"] == "dpo"
+    assert read_store_manifest(store)["key"]["objective"] == "dpo"
     with pytest.raises(DataError, match="skipped with data.on_bad_record=skip: 3 bad_structure"):
         prepare_store(DataConfig(paths=[str(path)], max_seq_len=96, on_bad_record="skip"), tok, tmp_path / "stores")
 

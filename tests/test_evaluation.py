@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from raysft.checkpoint import STATE_FILE
 from raysft.checkpoint.retention import to_prune
 from raysft.config import ConfigError, load_config
-from raysft.data import IGNORE_INDEX, prepare_store, read_manifest, read_store
+from raysft.data import IGNORE_INDEX, prepare_store, read_store, read_store_manifest
 from raysft.data.dataloader import micro_batches
 from raysft.data.store import write_samples
 from raysft.data.tokenizer import load_tokenizer
@@ -34,7 +34,7 @@ def test_eval_fraction_holds_the_same_records_out_every_time_and_never_trains_on
     records = [set(read_store(s.path, ["record"])["record"].to_pylist()) for s in (train, held, whole)]
     assert not records[0] & records[1] and records[0] | records[1] == records[2]
     assert 0.05 < len(records[1]) / len(records[2]) < 0.15
-    assert read_manifest(train.path)["counts"]["held_out"] == len(records[1])
+    assert read_store_manifest(train.path)["counts"]["held_out"] == len(records[1])
     assert prepare_store(cfg.data, tok, tmp_path, split="eval").reused  # the same split: the same store
 
 

@@ -270,7 +270,7 @@ def test_random_conversations_label_each_answer_as_rendered(name):
 
 def test_store_manifest_says_how_labels_were_found(tmp_path):
     from raysft.config import DataConfig
-    from raysft.data import prepare_store, read_manifest, read_store
+    from raysft.data import prepare_store, read_store, read_store_manifest
 
     tok = model_tokenizer("Qwen-Qwen3-0.6B")
     thinking = {"messages": [{"role": "user", "content": "2+3?"},
@@ -279,7 +279,7 @@ def test_store_manifest_says_how_labels_were_found(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (thinking, {"messages": TURNS})) + "\n")
     every = prepare_store(DataConfig(paths=[str(path)]), tok, tmp_path / "store")
-    manifest = read_manifest(every.path)
+    manifest = read_store_manifest(every.path)
     assert manifest["labels"]["method"] == "rendered_spans" and manifest["labels"]["train_on"] == "all_assistant"
     assert manifest["labels"]["end_of_turn"] == ["<|im_end|>"] and manifest["labels"]["tool_calls"]
     assert manifest["counts"]["rewritten_turns"] == 1

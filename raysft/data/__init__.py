@@ -26,8 +26,8 @@ from raysft.data.conversation import BadRecord
 from raysft.data.labels import IGNORE_INDEX
 from raysft.data.prepare import prepare_store
 from raysft.data.sources import DataError
-from raysft.data.store import StoreInfo, read_manifest, read_store, store_files
+from raysft.data.store import StoreInfo, read_store, read_store_manifest, store_files
 from raysft.errors import StoreFull
 
-__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreFull", "StoreInfo", "prepare_store", "read_manifest",
+__all__ = ["IGNORE_INDEX", "BadRecord", "DataError", "StoreFull", "StoreInfo", "prepare_store", "read_store_manifest",
            "read_store", "store_files"]

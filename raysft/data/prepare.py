@@ -29,7 +29,7 @@ from raysft.data.store import (
     holds_pairs,
     labelling,
     no_usable_records,
-    read_manifest,
+    read_store_manifest,
     split_copies,
 )
 from raysft.data.tokenize_ray import tokenize_on_ray, use_ray
@@ -103,7 +103,7 @@ def prepare_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, store_roo
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     except OSError as e:
         if manifest_path.is_file():  # another process finished the same store first: theirs is identical
-            return StoreInfo(store, read_manifest(store)["counts"]["samples"], reused=True)
+            return StoreInfo(store, read_store_manifest(store)["counts"]["samples"], reused=True)
         if e.errno in DISK_FULL:  # what was written of the store went with its build directory
             raise StoreFull(f"data.store_dir: {store_root} is full ({os.strerror(e.errno)}) while the store "
                             f"{store.name} was written; its partial files were removed and nothing else there was "

@@ -81,7 +81,7 @@ def labelling(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> dict:
                                "dropped, say) are labelled as rendered and counted in counts.rewritten_turns"}
 
 
-def read_manifest(store: Path) -> dict:
+def read_store_manifest(store: Path) -> dict:
     return json.loads((store / "manifest.json").read_text())
 
 
