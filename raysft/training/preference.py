@@ -91,7 +91,7 @@ class PreferenceStep:
             batch = to_device(pair_batch(batch), self.device)
             model.set_requires_gradient_sync(i == len(parts) - 1)  # reduce once per optimizer step
             logps, logit_sums = sequence_logps(model, batch, len(rows))
-            ref = self._reference(model, batch, rows)
+            ref = reference_logps_of(self.reference, model, batch, rows, self.device)
             tokens = self.answer_tokens[torch.as_tensor(rows)].to(self.device)
             losses = pair_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2], o)
             loss = losses.sum() / len(pairs)
@@ -107,8 +107,12 @@ class PreferenceStep:
         return StepResult(loss_sum, 1, lengths, computed, means=dict(zip(PAIR_METRICS, sums / divisors, strict=True)),
                           host={"pairs": len(pairs)})
 
-    def _reference(self, model: nn.Module, batch: dict, rows: np.ndarray) -> torch.Tensor:
-        if self.reference is not None:
-            return self.reference[torch.as_tensor(rows)].to(self.device, torch.float32)
-        with torch.no_grad(), adapters_disabled(model):
-            return sequence_logps(model, batch, len(rows))[0]
+
+def reference_logps_of(reference: torch.Tensor | None, model: nn.Module, batch: dict, rows: np.ndarray,
+                       device: torch.device) -> torch.Tensor:
+    """The reference log-probabilities of `rows` (their `batch`): read from the store's `reference` file, or with
+    LoRA (None) computed by `model` with its adapters off, without gradients. Training's and validation's alike."""
+    if reference is not None:
+        return reference[torch.as_tensor(rows)].to(device, torch.float32)
+    with torch.no_grad(), adapters_disabled(model):
+        return sequence_logps(model, batch, len(rows))[0]

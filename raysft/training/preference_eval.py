@@ -30,9 +30,8 @@ from torch import nn
 from raysft.config import TrainConfig
 from raysft.data.dataloader import TokenizedDataset, collate, lockstep_micro_batches, pair_rows, to_device
 from raysft.data.store import pairs_in
-from raysft.model.lora import adapters_disabled
 from raysft.model.preference_loss import pair_losses, reward_sums, sequence_logps
-from raysft.training.preference import pair_batch
+from raysft.training.preference import pair_batch, reference_logps_of
 
 EVAL_REWARDS = ("eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/accuracies", "eval/rewards/margins")
 
@@ -75,7 +74,7 @@ class PreferenceEvaluator:
                     batch = to_device(pair_batch(collate(self.dataset, rows, self.pad_id, self.cfg.data.packing)),
                                       self.device)
                     logps, _ = sequence_logps(model, batch, len(rows))
-                    ref = self._reference(model, batch, rows)
+                    ref = reference_logps_of(self.reference, model, batch, rows, self.device)
                     tokens = self.answer_tokens[torch.as_tensor(rows)].to(self.device)
                     losses = pair_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], tokens[0::2], tokens[1::2],
                                          o)
@@ -91,8 +90,3 @@ class PreferenceEvaluator:
         return {"eval_loss": loss, **{name: sums[2 + k].item() / n for k, name in enumerate(EVAL_REWARDS)},
                 "eval_pairs": self.num_pairs, "eval_s": round(time.perf_counter() - start, 4)}
 
-    def _reference(self, model: nn.Module, batch: dict, rows: np.ndarray) -> torch.Tensor:
-        if self.reference is not None:
-            return self.reference[torch.as_tensor(rows)].to(self.device, torch.float32)
-        with adapters_disabled(model):
-            return sequence_logps(model, batch, len(rows))[0]
