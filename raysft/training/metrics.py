@@ -142,6 +142,13 @@ class StepTotals:
         self.device, self.peak_tflops = device, peak_tflops
         self.rows: list[tuple[float, dict, torch.Tensor]] = []
 
+    def hold(self, rows: list[list], values: list[list[list[float]]], rank: int, world_size: int,
+             same_world: bool) -> None:
+        """Take back the rows a memory-tier snapshot held for every old rank, not yet logged (regroup_rows), so that
+        they are logged with the next ones as the old ranks would have logged them."""
+        self.rows = [(start, host, v.to(self.device)) for start, host, v in
+                     regroup_rows(rows, values, rank, world_size, same_world)]
+
     def add(self, step_start: float, on_device: dict[str, torch.Tensor], on_host: dict,
             pair_means: dict[str, torch.Tensor] | None = None) -> None:
         """on_device: DEVICE values as 0-d tensors; on_host: HOST values plus the fields that need no reduction

@@ -39,7 +39,6 @@ from raysft.training.metrics import (
     matmul_parameters,
     peak_memory_gb,
     peak_tflops,
-    regroup_rows,
     training_flops,
 )
 from raysft.training.objective import Worker, objective_for
@@ -138,9 +137,8 @@ class Trainer:
         # before the restore replaces the starting weights (a DPO reference pass)
         self.evaluator = self.objective.evaluator(eval_store, self.model, worker) if eval_store else None
         self.state, held = self.checkpointer.restore(resume, t.seed)
-        if held is not None:  # a snapshot's rows not yet logged, regrouped as the old ranks would have reduced them
-            self.totals.rows = [(start, host, values.to(ctx.device)) for start, host, values in
-                                regroup_rows(held.rows, held.values, ctx.rank, ctx.world_size, held.same_world)]
+        if held is not None:  # a snapshot's metrics rows, not yet logged
+            self.totals.hold(held.rows, held.values, ctx.rank, ctx.world_size, held.same_world)
         self.log.open_trackers(cfg, self.state.step if resume.found else None)
         # rank 0 logs the generation evaluations of the checkpoints as they end (raysft.training.gen_log)
         self.gen_log = GenEvalLog(cfg.run_dir, self.log) if cfg.eval.path and ctx.rank == 0 else None

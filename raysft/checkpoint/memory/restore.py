@@ -8,7 +8,7 @@ is still as it was, for the stored checkpoint to load.
 On the same number of workers each rank gets back its own RNG state and metrics rows (every part carries every
 rank's); on another, as after a stored checkpoint's resume on another world size, the RNG streams keep their fresh
 seeding (they have no counterpart). The metrics rows every old rank held are handed back as the snapshot carries
-them (HeldRows): the training loop regroups them over its ranks (raysft.training.metrics.regroup_rows), so the rows
+them (HeldRows): the training loop regroups them over its ranks (raysft.training.metrics.StepTotals.hold), so the rows
 of the steps before the snapshot are logged as they would have been.
 """
 
