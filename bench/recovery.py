@@ -134,12 +134,13 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
                 rows = [(fault, recovery_row(cfg, fault_time, stages))]
                 if return_time is not None:
                     rows.append(("return", recovery_row(cfg, return_time, stages)))
-                expected = reference
-                if fault == "elastic":
+                if fault == "elastic":  # held to the run stopped at each change of width and relaunched
                     widths = tuple((row["resumed_from"], row["world_size_after"]) for _, row in rows)
                     if widths not in widths_runs:
                         widths_runs[widths] = widths_reference(cluster, setup, base + extra, label, widths)
                     expected = widths_runs[widths]
+                else:
+                    expected = reference
                 exact = same_run(cfg, expected)
                 for name, row in rows:
                     results.append({"variant": f"{label} {name} tier {tier}", "sharding": sharding, "fault": name,
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
 
     setup = Setup(args, "recovery")
     os.environ[SNAPSHOT_TIMES_ENV] = str(setup.work / "snapshot-times")
+    (setup.work / "snapshot-times").mkdir(parents=True, exist_ok=True)  # the fault runs' workers write there too
     os.environ[STAGES_ENV] = str(setup.work / "stages")
     cluster = NamespaceNodes(args, netns_cluster_of(os.environ["RAYSFT_BENCH_NETNS"])) if args.driver \
         else Cluster(args)

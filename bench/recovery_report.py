@@ -20,7 +20,8 @@ def recovery_row(cfg, fault_time: float, stages_dir: Path | None = None) -> dict
 
     records = read_metrics(cfg.run_dir)
     resume = next(i for i, m in enumerate(records) if m.get("event") == "resume" and m["time"] >= fault_time)
-    before = max(m["step"] for m in records[:resume] if "loss" in m)
+    # the last step logged before it (after a change of width, the run went on from an earlier step: not the most)
+    before = [m for m in records[:resume] if "loss" in m][-1]["step"]
     after = next(m for m in records[resume:] if "loss" in m)
     not_used = [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"]
     return {"recovery_s": round(after["time"] - fault_time, 1), "resumed_from": records[resume]["step"],
