@@ -189,7 +189,8 @@ def recovery(run_dir: Path, fault_time: float, fault: str, how: str, every: int 
     went on, for the first resume after the fault; appended to $RAYSFT_FAULT_REPORT if set."""
     records = read_metrics(run_dir)
     resume = next(i for i, m in enumerate(records) if m.get("event") == "resume" and m["time"] >= fault_time)
-    before = max(m["step"] for m in records[:resume] if "loss" in m)
+    # the last step logged before it (after a change of width, the run went on from an earlier step: not the most)
+    before = [m for m in records[:resume] if "loss" in m][-1]["step"]
     first_after = next(m for m in records[resume:] if "loss" in m)
     row = {"fault": fault, "how": how, "resumed_from": records[resume]["step"], "last_step_before": before,
            "steps_lost": before - records[resume]["step"], "checkpoint_every": every,
