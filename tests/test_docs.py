@@ -58,3 +58,29 @@ def test_a_link_to_a_missing_file_or_heading_is_found(tmp_path):
 def test_the_readme_maps_every_file_of_docs():
     readme = (REPO / "README.md").read_text()
     assert [p.name for p in DOCS[1:] if f"](docs/{p.name})" not in readme] == []
+
+
+TEST_REF = re.compile(r"(?:(\w+\.py)|…)::(test_\w+)")
+
+
+def missing_tests(markdown: str, tests_dir: Path) -> list[str]:
+    """The tests a document names that no test file defines: as `file.py::test_name`, a test of that file; as
+    `…::test_name` (the file said by the text around it), a test of any file. A test renamed or removed leaves the
+    document pointing at nothing."""
+    defined = {f.name: set(re.findall(r"^def (test_\w+)\(", f.read_text(), re.M)) for f in tests_dir.glob("*.py")}
+    anywhere = set().union(*defined.values())
+    return [f"{file or '…'}::{name}" for file, name in TEST_REF.findall(markdown)
+            if name not in (defined.get(file, set()) if file else anywhere)]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_test_a_document_names_exists(path):
+    assert missing_tests(path.read_text(), REPO / "tests") == [], f"{path.relative_to(REPO)}: tests not found"
+
+
+def test_a_renamed_test_is_found(tmp_path):
+    (tmp_path / "test_x.py").write_text("def test_kept():\n    pass\n")
+    (tmp_path / "test_y.py").write_text("def test_other():\n    pass\n")
+    doc = ("`test_x.py::test_kept`, `…::test_other`, `…::test_renamed`; `tests/test_x.py::test_kept`; "
+           "`test_gone.py::test_kept`; `test_x.py::test_other`")
+    assert missing_tests(doc, tmp_path) == ["…::test_renamed", "test_gone.py::test_kept", "test_x.py::test_other"]
