@@ -37,28 +37,38 @@ def smoke_run(tmp, *args: str, env: dict | None = None) -> tuple[dict, dict, obj
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """One smoke run of the torchrun steps whose tests step fails (a test id that does not exist)."""
-    return smoke_run(tmp_path_factory.mktemp("gpu-check"), "--only", ",".join(STEPS),
-                     "--tests", "tests/test_gpu.py::test_that_does_not_exist")
-
-
-@pytest.fixture(scope="module")
-def legs(tmp_path_factory):
-    """One smoke run of legs a GPU session with the bundle runs for issue 39: torchtitan's, the save's memory and
-    the Ray Train worker restart."""
-    # each leg of Ray launches Ray once or twice: the budget leaves time for a slow, shared machine
-    return smoke_run(tmp_path_factory.mktemp("gpu-legs"), "--only", ",".join(LEGS), "--variants", "varlen",
-                     "--budget-s", "3000")
-
-
-@pytest.fixture(scope="module")
-def step_legs(tmp_path_factory):
-    """One smoke run of the legs of issue 47: the memory tier's cost and FP8 against bf16 (FP8 refused on a CPU), with
-    the bundle's torchao on the path, as on the device (the suite's environment has none: tests/test_fp8.py)."""
+def check_run(tmp_path_factory):
+    """One smoke run of every step and leg the suite runs (a run of check.py costs a process start and the
+    prepare step): the torchrun steps, whose tests step fails (a test id that does not exist); the legs a GPU session
+    with the bundle runs for issue 39 (torchtitan's, the save's memory, the Ray Train worker restart); and issue 47's
+    (the memory tier's cost, FP8 against bf16, FP8 refused on a CPU). The bundle's torchao is on the path, as on the
+    device (the suite's environment has none: tests/test_fp8.py)."""
     path = os.pathsep.join(filter(None, [str(torchao_site()), os.environ.get("PYTHONPATH")]))
-    return smoke_run(tmp_path_factory.mktemp("gpu-step-legs"), "--only", ",".join(STEP_LEGS),
+    # each leg of Ray launches Ray once or twice: the budget leaves time for a slow, shared machine
+    return smoke_run(tmp_path_factory.mktemp("gpu-check"), "--only", ",".join(dict.fromkeys(STEPS + LEGS + STEP_LEGS)),
+                     "--tests", "tests/test_gpu.py::test_that_does_not_exist", "--budget-s", "3000",
                      env={**os.environ, "PYTHONPATH": path})
+
+
+def of(run, names: list[str]) -> tuple[dict, dict, object]:
+    """The run's summary, its steps among names (in the order check.py ran them), its --out."""
+    summary, steps, out = run
+    return summary, {name: s for name, s in steps.items() if name in names}, out
+
+
+@pytest.fixture(scope="module")
+def smoke(check_run):
+    return of(check_run, STEPS)
+
+
+@pytest.fixture(scope="module")
+def legs(check_run):
+    return of(check_run, LEGS)
+
+
+@pytest.fixture(scope="module")
+def step_legs(check_run):
+    return of(check_run, STEP_LEGS)
 
 
 def test_a_failed_step_is_recorded_and_every_later_step_still_runs(smoke):
