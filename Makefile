@@ -21,12 +21,8 @@ $(BIN)/raysft: pyproject.toml
 demo: $(BIN)/raysft
 	$(BIN)/raysft train jobs/configs/demo.yaml --export runs/demo-model --prompt "What is the capital of France?"
 
-# Two pytest processes, each taking whole test files (--dist loadfile: a module's cluster, runs and fixtures stay in
-# one process): much of the suite waits on Ray, process starts and faults rather than computing, so two overlap on
-# 2 cores. TEST_PROCESSES=0 runs it in this one process.
-TEST_PROCESSES ?= 2
 test: $(BIN)/raysft
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # For a developer's loop: no Ray, no fault scenarios, no benchmark harnesses (tests marked slow). CI runs `make test`.
 test-fast: $(BIN)/raysft

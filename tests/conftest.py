@@ -36,10 +36,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if {"ray_cluster", "netns_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    # `make test` runs two processes that take whole files in this order (pytest-xdist, --dist loadfile): the files
-    # with slow tests first, and the many short ones after them, so that both processes end at about the same time
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")
@@ -94,10 +90,10 @@ def netns_cluster():
 
 
 def start_cluster(head_temp_dir: Path, **head_args):
-    """A ray.cluster_utils.Cluster whose head keeps its state in a short directory of /tmp (Ray's socket paths must
-    stay under 108 bytes, and pytest's temp paths, deeper under pytest-xdist, leave too few), linked from
-    head_temp_dir and removed at its shutdown. Cluster also writes the head's address into Ray's default temp dir
-    (/tmp/ray), which does not exist on a fresh machine: make it first."""
+    """A ray.cluster_utils.Cluster whose head keeps its state in a short directory of /tmp, linked from head_temp_dir
+    and removed at its shutdown: Ray's socket paths must stay under 108 bytes, and pytest's temp paths leave few (one
+    level deeper, as pytest-xdist makes them, left none). Cluster also writes the head's address into Ray's default
+    temp dir (/tmp/ray), which does not exist on a fresh machine: make it first."""
     from ray._common.utils import get_default_ray_temp_dir
     from ray.cluster_utils import Cluster
 

@@ -200,11 +200,12 @@ def test_the_next_launch_reclaims_runs_no_process_holds_and_never_a_live_or_rece
     shutil.copytree(dead, recent)
     foreign.mkdir()
     (foreign / "todo.txt").write_text("mine")
-    an_hour_ago = time.time() - 3600
-    for run in (dead, live, foreign):
+    an_hour_ago, now = time.time() - 3600, time.time()
+    # copytree keeps the faulted run's times: each run's are set, not left to when the fixture ran
+    for run, when in ((dead, an_hour_ago), (live, an_hour_ago), (foreign, an_hour_ago), (recent, now)):
         for path in (run, run / ".live"):
             if path.exists():
-                os.utime(path, (an_hour_ago, an_hour_ago))
+                os.utime(path, (when, when))
     holder = os.open(live / ".live", os.O_RDWR)
     fcntl.flock(holder, fcntl.LOCK_SH)  # a live worker of that run
     try:
