@@ -7,14 +7,21 @@ errors, storage → distributed (the rank layout, collectives, the local Ray) �
 (Ray, or torchrun) → the CLI and this package's face. docs/ARCHITECTURE.md draws the picture.
 """
 
-from raysft.config import TrainConfig, load_config
-from raysft.products.export import export
-
 __all__ = ["TrainConfig", "export", "load_config", "train"]
 
 
 def __getattr__(name: str):
-    """`raysft.train` imports Ray on first use: the worker run (raysft.run) and export work without it."""
+    """The package's face, imported on first use: `import raysft.<anything>` runs this module first, and Ray Train's
+    controller imports raysft.launch.ray_controller without torch or transformers (whose import is seconds of every
+    launch's start). `raysft.train` also imports Ray: the worker run (raysft.run) and export work without it."""
+    if name in ("TrainConfig", "load_config"):
+        from raysft import config
+
+        return getattr(config, name)
+    if name == "export":
+        from raysft.products.export import export
+
+        return export
     if name == "train":
         from raysft.launch.ray_driver import train
 

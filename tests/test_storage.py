@@ -30,7 +30,8 @@ from raysft.data.tokenizer import load_tokenizer
 from raysft.launch import lease as lease_module
 from raysft.launch.lease import LEASE_FILE, RunInUse, RunLease
 from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
-from raysft.launch.ray_worker import RUN_ENDING_PREFIX, ray_worker_context
+from raysft.launch.ray_controller import RUN_ENDING_PREFIX
+from raysft.launch.ray_worker import ray_worker_context
 from raysft.storage import Location, location
 from raysft.training.metrics import MetricsLogger, read_metrics
 from raysft.training.trainer import Trainer

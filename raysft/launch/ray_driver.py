@@ -9,7 +9,6 @@ import math
 import os
 import sys
 import threading
-from pathlib import Path
 
 import ray
 from ray.train import (
@@ -19,7 +18,6 @@ from ray.train import (
     Result,
     RunConfig,
     ScalingConfig,
-    UserCallback,
     ValidationConfig,
     ValidationTaskConfig,
 )
@@ -34,17 +32,20 @@ from raysft.distributed.collectives import process_group_backend
 from raysft.distributed.layout import check_hsdp_shard_size_fits_nodes
 from raysft.distributed.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.errors import CannotPlaceWorkers
-from raysft.evals.validation import RAY_GRACE_S, task_resources, validate_checkpoint, validation_kwargs
+from raysft.evals.validation import RAY_GRACE_S, task_resources, validation_kwargs
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
-from raysft.launch.ray_worker import (
+from raysft.launch.ray_controller import (
+    EndRunOnRecordedError,
+    RunEnded,
     clear_run_ending_records,
     recorded_run_ending,
-    train_worker,
+    validate_checkpoint,
 )
+from raysft.launch.ray_worker import train_worker
 from raysft.launch.signals import DriverSignals, Stopped
-from raysft.storage import Location, location
+from raysft.storage import location
 from raysft.training.gen_log import log_remaining
 
 # Ray waits this long for a worker group's resources before it counts a failed start (its own setting).
@@ -132,26 +133,6 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         run_id = remove_snapshots(config.run_dir, config.checkpoint)
         if run_id is not None and own_local_ray is None:
             remove_snapshots_on_other_nodes(config.checkpoint.memory_dir, run_id)
-
-
-class RunEnded(Exception):
-    """A worker met an error that no restart changes (raysft.errors.ends_the_run) and recorded it."""
-
-
-class EndRunOnRecordedError(UserCallback):
-    """On Ray Train's controller, after a poll that found a worker's error: when a worker recorded a run-ending
-    error (raysft.launch.ray_worker.record_run_ending), end the run now instead of letting Ray restart the workers
-    into it. An error raised from this hook is the controller's (ControllerError), which Ray's failure policy
-    never retries; Ray then ends every worker, so a worker waiting in a collective for the one that raised is not
-    left hanging. Without a record the error is Ray's to retry (scaling.max_failures)."""
-
-    def __init__(self, run_dir: Path | Location):
-        self.run_dir = run_dir
-
-    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        if recorded_run_ending(self.run_dir) is not None:
-            raise ControllerError(RunEnded(f"ranks {sorted(worker_exceptions)} raised; one recorded a run-ending "
-                                           f"error in {self.run_dir}"))
 
 
 def remove_snapshots_on_other_nodes(memory_dir: str, run_id: str, timeout_s: float = 30.0) -> None:

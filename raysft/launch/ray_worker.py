@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,12 +34,11 @@ from raysft.checkpoint.gen_record import recorded_metric
 from raysft.checkpoint.retention import eval_loss, unregistered
 from raysft.config import TrainConfig, config_from_dict
 from raysft.distributed.collectives import from_rank0
-from raysft.errors import ends_the_run, run_ending_type
+from raysft.errors import ends_the_run
 from raysft.launch.paths import check_worker_paths
-from raysft.storage import Location, location, use_filesystem
+from raysft.launch.ray_controller import RECORDED, record_run_ending
+from raysft.storage import location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
-
-RUN_ENDING_PREFIX = "raysft_error."  # <run dir>/raysft_error.<rank>.json: the error a rank met that ends the run
 
 
 def train_worker(loop_config: dict) -> None:
@@ -65,39 +63,6 @@ def train_worker(loop_config: dict) -> None:
         raise
 
 
-def record_run_ending(run_dir: Path | Location, rank: int, error: Exception) -> None:
-    """Write down the run-ending error this rank met, before it is raised (whatever the other ranks do). Where the
-    run directory cannot take it, the error is raised unrecorded: Ray then retries, as for any other error."""
-    try:
-        (location(run_dir) / f"{RUN_ENDING_PREFIX}{rank}.json").write_text(
-            json.dumps({"rank": rank, "type": type(error).__name__, "message": str(error)}))
-    except OSError:
-        return
-    _RECORDED.set()
-
-
-def recorded_run_ending(run_dir: Path | Location) -> Exception | None:
-    """The run-ending error of the lowest rank that recorded one, as its own class; None if none did."""
-    records = [json.loads(f.read_text()) for f in _records(run_dir)]
-    if not records:
-        return None
-    first = min(records, key=lambda r: r["rank"])
-    return run_ending_type(first["type"])(first["message"])
-
-
-def clear_run_ending_records(run_dir: Path | Location) -> None:
-    """Before a launch: an earlier launch's record is no error of this one."""
-    for f in _records(run_dir):
-        f.delete()
-
-
-def _records(run_dir: Path | Location) -> list[Location]:
-    run = location(run_dir)
-    if not run.is_dir():
-        return []
-    return [f for f in run.children() if f.name.startswith(RUN_ENDING_PREFIX) and f.name.endswith(".json")]
-
-
 def stop_requested(flag, rank: int) -> Callable[[], bool]:
     """Rank 0 asks the driver's StopFlag (the loop shares the answer with every rank); a flag that is gone (the
     driver with it) is no request: Ray ends the workers of a dead driver itself."""
@@ -110,7 +75,6 @@ def stop_requested(flag, rank: int) -> Callable[[], bool]:
     return ask
 
 
-_RECORDED = threading.Event()  # this worker met a run-ending error: its one line reaches the user from the driver
 
 
 def _quiet_console() -> None:
@@ -128,7 +92,7 @@ def _quiet_console() -> None:
 
     class _DropReports(logging.Filter):
         def filter(self, record: logging.LogRecord) -> bool:
-            if record.name == util.__name__ and record.levelno >= logging.ERROR and _RECORDED.is_set():
+            if record.name == util.__name__ and record.levelno >= logging.ERROR and RECORDED.is_set():
                 return False
             return record.name != noisy or record.levelno >= logging.WARNING
 

@@ -1,0 +1,84 @@
+"""What Ray Train's controller runs of raysft, kept light on purpose: the controller unpickles the run's callback and
+validation function, and so imports their module, before it starts any worker. From raysft.launch.ray_driver that
+meant torch, transformers and the rest of raysft on every launch's path to its first step (some 5 s on 2 cores);
+from here it is the standard library, pyarrow and raysft's errors and storage.
+
+A run-ending error (raysft.errors.ends_the_run) met on a worker is written down in the run directory before it is
+raised (`record_run_ending`); the controller's callback (`EndRunOnRecordedError`) reads the record after the poll
+that found the error and ends the run instead of letting Ray restart the workers into it; the driver raises the
+recorded error as its own class (`recorded_run_ending`)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from ray.train import ControllerError, UserCallback
+
+from raysft.errors import run_ending_type
+from raysft.storage import Location, location
+
+RUN_ENDING_PREFIX = "raysft_error."  # <run dir>/raysft_error.<rank>.json: the error a rank met that ends the run
+RECORDED = threading.Event()  # this process recorded a run-ending error: its one line reaches the user from the driver
+
+
+class RunEnded(Exception):
+    """A worker met an error that no restart changes (raysft.errors.ends_the_run) and recorded it."""
+
+
+class EndRunOnRecordedError(UserCallback):
+    """On Ray Train's controller, after a poll that found a worker's error: when a worker recorded a run-ending
+    error, end the run now instead of letting Ray restart the workers into it. An error raised from this hook is the
+    controller's (ControllerError), which Ray's failure policy never retries; Ray then ends every worker, so a worker
+    waiting in a collective for the one that raised is not left hanging. Without a record the error is Ray's to retry
+    (scaling.max_failures)."""
+
+    def __init__(self, run_dir: Path | Location):
+        self.run_dir = run_dir
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        if recorded_run_ending(self.run_dir) is not None:
+            raise ControllerError(RunEnded(f"ranks {sorted(worker_exceptions)} raised; one recorded a run-ending "
+                                           f"error in {self.run_dir}"))
+
+
+def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", engine: str = "hf") -> dict:
+    """Ray Train's ValidationFn (raysft.evals.validation.validate_checkpoint), imported in the validation task that
+    calls it, not in the controller that holds it."""
+    from raysft.evals.validation import validate_checkpoint as validate
+
+    return validate(checkpoint, settings, system_prompt, engine)
+
+
+def record_run_ending(run_dir: Path | Location, rank: int, error: Exception) -> None:
+    """Write down the run-ending error this rank met, before it is raised (whatever the other ranks do). Where the
+    run directory cannot take it, the error is raised unrecorded: Ray then retries, as for any other error."""
+    try:
+        (location(run_dir) / f"{RUN_ENDING_PREFIX}{rank}.json").write_text(
+            json.dumps({"rank": rank, "type": type(error).__name__, "message": str(error)}))
+    except OSError:
+        return
+    RECORDED.set()
+
+
+def recorded_run_ending(run_dir: Path | Location) -> Exception | None:
+    """The run-ending error of the lowest rank that recorded one, as its own class; None if none did."""
+    records = [json.loads(f.read_text()) for f in _records(run_dir)]
+    if not records:
+        return None
+    first = min(records, key=lambda r: r["rank"])
+    return run_ending_type(first["type"])(first["message"])
+
+
+def clear_run_ending_records(run_dir: Path | Location) -> None:
+    """Before a launch: an earlier launch's record is no error of this one."""
+    for f in _records(run_dir):
+        f.delete()
+
+
+def _records(run_dir: Path | Location) -> list[Location]:
+    run = location(run_dir)
+    if not run.is_dir():
+        return []
+    return [f for f in run.children() if f.name.startswith(RUN_ENDING_PREFIX) and f.name.endswith(".json")]
