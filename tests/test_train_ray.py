@@ -51,7 +51,8 @@ def test_two_workers_lower_the_loss_and_resume_by_run_name(tmp_path):
     assert {"model.safetensors", "config.json", "optimizer.safetensors", "rng.safetensors",
             "trainer_state.json", "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["step"] == 40 and state["cursor"] == {"seed": 0, "epoch": 0, "consumed": 640}
+    assert state["step"] == 40
+    assert state["cursor"] == {"seed": 0, "epoch": 0, "consumed": 40 * cfg.train.global_batch_size}
 
     # Launching the same run again (same name and storage) continues from step 40 instead of starting over.
     longer = tiny_config(tmp_path, **{"train.max_steps": 50, "checkpoint.every_n_steps": 20})
@@ -72,12 +73,13 @@ def validated_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validated")
     questions = [json.loads(line)["prompt"] for line in (REPO / "raysft/assets/demo/eval.jsonl").read_text()
                  .splitlines()[::5]]
-    # What these 6 steps teach (train.lr 0.05): "................" at step 2, "TheTheThe..." at step 6; the regex
-    # scorer tells them apart (any score that differs would do: it is what ranks the checkpoints below)
+    # What these 6 steps of 16 samples teach (train.lr 0.05): "................" at step 2, "TheTheThe..." at step 6;
+    # the regex scorer tells them apart (any score that differs would do: it is what ranks the checkpoints below)
     eval_set = tmp / "eval.jsonl"
     eval_set.write_text("".join(json.dumps({"prompt": q, "answer": "TheThe"}) + "\n" for q in questions))
     sets = {"train.max_steps": 6, "checkpoint.every_n_steps": 2, "data.eval_fraction": 0.05, "checkpoint.keep_best": 1,
-            "train.lr": 0.05, "eval.path": str(eval_set), "eval.scorers": "[regex]",
+            "train.lr": 0.05, "train.global_batch_size": 16, "train.micro_batch_size": 4, "eval.path": str(eval_set),
+            "eval.scorers": "[regex]",
             "eval.answer_pattern": "'^(TheThe)'", "eval.max_new_tokens": 16}
     result = raysft.train(tiny_config(tmp, **sets))
     return SimpleNamespace(tmp=tmp, sets=sets, result=result, cfg=tiny_config(tmp, **sets))
