@@ -204,10 +204,13 @@ class Checkpointer:
         world_size = dist.get_world_size()
         if resume.snapshot is not None:
             state, held = self.memory.restore(resume.snapshot)
+            self.memory.prepare()
             self.log.event("resume", step=state.step, tier="memory", world_size=world_size)
             return state, held
         if resume.stored is not None:
             state = self.load(resume.stored)
+            if self.memory is not None:
+                self.memory.prepare()
             self.log.event("resume", step=state.step, checkpoint=str(resume.stored), world_size=world_size)
             return state, None
         self.log.event("start", world_size=world_size, checkpoint_mode=self.mode)

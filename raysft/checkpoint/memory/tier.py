@@ -123,6 +123,14 @@ class MemoryTier:
         self.taken += 1
         return True
 
+    def prepare(self) -> None:
+        """After a resume (from either tier): start allocating the staging buffer for the state just restored, in the
+        tier's thread, so that the snapshot of the first step after it is taken rather than passed over while its
+        buffer is made (a second fault there would otherwise cost that step too). A fresh start has no optimizer
+        state before its first step: its first snapshot still waits for the buffer."""
+        if self.every and not self.off and self.pending is None and self.objs.optimizer.state:
+            self._allocate(self._tensors())
+
     def _tensors(self) -> dict[str, torch.Tensor]:
         """This rank's shards of the weights and optimizer state, by name, as they are in memory."""
         return {name: v.to_local() if isinstance(v, DTensor) else v
