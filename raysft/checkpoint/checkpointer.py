@@ -204,17 +204,16 @@ class Checkpointer:
         world_size = dist.get_world_size()
         if resume.snapshot is not None:
             state, held = self.memory.restore(resume.snapshot)
-            self.memory.prepare()
             self.log.event("resume", step=state.step, tier="memory", world_size=world_size)
-            return state, held
-        if resume.stored is not None:
-            state = self.load(resume.stored)
-            if self.memory is not None:
-                self.memory.prepare()
+        elif resume.stored is not None:
+            state, held = self.load(resume.stored), None
             self.log.event("resume", step=state.step, checkpoint=str(resume.stored), world_size=world_size)
-            return state, None
-        self.log.event("start", world_size=world_size, checkpoint_mode=self.mode)
-        return TrainState(step=0, cursor=DataCursor(seed=seed)), None
+        else:
+            self.log.event("start", world_size=world_size, checkpoint_mode=self.mode)
+            return TrainState(step=0, cursor=DataCursor(seed=seed)), None
+        if self.memory is not None:  # the next snapshot's buffer, for the state just restored
+            self.memory.prepare()
+        return state, held
 
     def snapshot(self, state: TrainState, held: list[tuple[float, dict, torch.Tensor]]) -> None:
         """Collective with a memory tier: its snapshot of the step just taken, if one is due; `held` are the metrics

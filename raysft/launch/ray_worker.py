@@ -75,8 +75,6 @@ def stop_requested(flag, rank: int) -> Callable[[], bool]:
     return ask
 
 
-
-
 def _quiet_console() -> None:
     """Ray Train logs every report (`Reporting training result N: TrainingReport(...)`, the whole metrics dict) at
     INFO through a logger named by its file's path, which RunConfig's logging_config does not reach; and the
