@@ -1,5 +1,6 @@
 import contextlib
 import datetime
+import json
 import os
 import shutil
 import subprocess
@@ -28,6 +29,48 @@ os.environ.setdefault("RAYSFT_LEASE_SETTLE_S", "0.1")
 REPO = Path(__file__).resolve().parent.parent
 # Real files from other projects (chat templates, a ShareGPT file), vendored with their sources: tests/data/README.md
 TEST_DATA = REPO / "tests" / "data"
+
+
+_probe_file: list[str] = []
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """With RAYSFT_SUITE_PROBE set (bench/suite_times.py sets it), at each test file's first test: the machine's
+    load and swap, and what earlier files left running (this process's descendants, by name)."""
+    path = os.environ.get("RAYSFT_SUITE_PROBE")
+    name = Path(location[0]).name
+    if not path or (_probe_file and _probe_file[-1] == name):
+        return
+    _probe_file.append(name)
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    swap_kib = int(meminfo["SwapTotal"].split()[0]) - int(meminfo["SwapFree"].split()[0])
+    left: dict[str, int] = {}
+    for pid in _descendants(os.getpid()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        label = " ".join(a.decode(errors="replace").rsplit("/", 1)[-1] for a in argv[:3] if a)[:60]
+        left[label] = left.get(label, 0) + 1
+    record = {"file": name, "load1": round(os.getloadavg()[0], 2), "swap_mib": swap_kib // 1024, "left": left}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def pytest_collection_modifyitems(items):
