@@ -168,6 +168,21 @@ def tiny_config(tmp_path, **sections):
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
+def model_file(directory: Path, **architecture) -> str:
+    """A config.json for model.config: the demo-tiny preset with the demo tokenizer's vocabulary, changed by
+    `architecture` (LlamaConfig's keys), for tests that need a model the preset is not (dropout, uneven shapes)."""
+    from transformers import LlamaConfig
+
+    from raysft.data.tokenizer import load_tokenizer
+    from raysft.model.build import preset_config
+
+    base = tiny_config(directory)
+    config = preset_config("demo-tiny", load_tokenizer(base.model, base.data.chat_template)).to_dict()
+    directory.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**{**config, **architecture}).to_json_file(directory / "config.json")
+    return str(directory / "config.json")
+
+
 STEPS = 12  # the checkpoint and resume tests' runs: 12 steps, a checkpoint every 3
 
 

@@ -244,3 +244,20 @@ def test_the_top_level_is_the_package_face_and_its_entry_points():
         listed = {m.stem for m in package.glob("*.py")} - {"__init__"}
         unnamed = sorted(m for m in listed if m not in doc)
         assert not unnamed, f"{init}'s docstring names each module by role; it does not name {unnamed}"
+
+
+def test_what_ray_runs_of_raysft_outside_the_workers_imports_neither_torch_nor_transformers():
+    """Ray Train's controller unpickles the run's callback and validation function, and the StopFlag actor imports
+    its class's module: each such process would otherwise import torch and transformers (seconds of CPU on every
+    launch's path to its first step). Their module, and what loading each of them pulls in, stays light."""
+    from raysft.launch import ray_controller, ray_driver
+
+    assert ray_driver.StopFlag is ray_controller.StopFlag
+    assert ray_driver.EndRunOnRecordedError.__module__ == ray_driver.validate_checkpoint.__module__ == \
+        "raysft.launch.ray_controller"
+    code = ("import sys, raysft.launch.ray_controller as c\n"
+            "c.StopFlag.__ray_actor_class__().request()\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["[]"], out.stdout

@@ -6,17 +6,20 @@ rank's own metrics. tests/memory_tier_support.py says how nodes and faults are s
 import shutil
 
 import pytest
-from conftest import final_weights, run_config, step_losses
+import torch
+from conftest import final_weights, model_file, run_config, step_losses
 from memory_tier_support import (
     FAULT_AT,
     assert_same_run,
     continue_copy,
     launch_on_nodes,
+    launch_on_own_node,
     launch_two_a_node,
     memory_config,
     node_dir,
 )
 
+from raysft.checkpoint.memory.reshard import chunk_rows
 from raysft.launch.torchrun import launch
 from raysft.training.metrics import read_metrics
 
@@ -36,18 +39,43 @@ def stopped_and_relaunched(tmp_path, legs, **sets):
     return sorted(step_losses(cfg.run_dir)), final_weights(cfg.run_dir, tmp_path / "reference-hf")
 
 
-def test_a_run_that_grows_from_2_to_4_workers_resumes_from_memory_cut_again(tmp_path, gloo_pool, gloo_pool4,
-                                                                            faulted):
+# A model whose rows do not divide the widths: at 4 places q_proj's 42 rows are cut 11, 11, 11, 9, k_proj's 14 are
+# 4, 4, 4, 2, and the MLP's 6 are 2, 2, 2 and none (torch.chunk's cut, as FSDP2 shards); at 2 places, 21, 7 and 3
+UNEVEN = {"hidden_size": 42, "num_attention_heads": 3, "num_key_value_heads": 1, "intermediate_size": 6,
+          "num_hidden_layers": 2}
+
+
+def test_the_rows_of_each_place_are_torch_chunks_where_they_do_not_divide_and_empty_past_them():
+    for rows in range(13):
+        for places in range(1, 9):
+            chunks = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(rows).chunk(places)] if rows else []
+            expected = chunks + [(rows, rows)] * (places - len(chunks))
+            assert [chunk_rows(rows, places, k) for k in range(places)] == expected, (rows, places)
+
+
+@pytest.fixture(scope="module")
+def uneven(gloo_pool, tmp_path_factory):
+    """conftest's `faulted` on the UNEVEN model: 2 ranks, each on a node of its own, rank 1 dead after step 8."""
+    tmp = tmp_path_factory.mktemp("uneven")
+    sets = {"model.config": model_file(tmp / "model", **UNEVEN)}
+    cfg = memory_config(tmp, "faulted", **sets)
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+    return cfg, sets
+
+
+def test_a_run_that_grows_from_2_to_4_workers_resumes_from_memory_cut_again(tmp_path, gloo_pool, gloo_pool4, uneven):
     """Rank 1 of 2 died after step 8; the run comes back on 4 workers, 2 of them on a new node with nothing in
     its memory. Each new rank reads the rows it needs from the old parts (ranks 2 and 3 from rank 1's, sent to
-    their node once), and the run equals the 2-worker run stopped at step 8 and relaunched on 4, bit for bit.
-    Before, the snapshot was refused (cut for 2 workers) and the stored checkpoint of step 6 used."""
-    cfg = continue_copy(faulted, tmp_path, **{"scaling.num_workers": 4})
+    their node once), on a model whose rows are cut unevenly and, for one rank, not at all (UNEVEN), and the run
+    equals the 2-worker run stopped at step 8 and relaunched on 4, bit for bit."""
+    faulted, sets = uneven
+    cfg = continue_copy(faulted, tmp_path, **{"scaling.num_workers": 4, **sets})
     shutil.rmtree(node_dir(cfg, "node1"))
     gloo_pool4.run(launch_on_nodes, cfg, ["node0", "node0", "node1", "node1"])
     assert resumes(cfg) == [(FAULT_AT, "memory", 4)]
     reference = stopped_and_relaunched(tmp_path, [(gloo_pool, launch, {"train.stop_at_step": FAULT_AT}),
-                                                  (gloo_pool4, launch, {"scaling.num_workers": 4})])
+                                                  (gloo_pool4, launch, {"scaling.num_workers": 4})], **sets)
     assert_same_run(cfg, reference, tmp_path / "hf")
 
 

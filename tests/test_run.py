@@ -2,6 +2,7 @@
 checkpoints and resume as under Ray, written once, straight into the run directory; validation and keep_best on
 the same processes (the rest of validation: tests/test_evaluation.py)."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, STEPS, final_weights, run_config, step_losses
+from conftest import REPO, STEPS, final_weights, model_file, run_config, step_losses
 from transformers import AutoModelForCausalLM
 
 import raysft
@@ -93,6 +94,41 @@ def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tm
     assert step_losses(cfg.run_dir) == ref_losses
     weights = final_weights(cfg.run_dir, tmp_path / "hf")
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+def test_a_run_with_dropout_resumes_each_ranks_random_numbers_and_a_swap_of_them_shows(tmp_path, gloo_pool):
+    """Dropout draws from each rank's RNG, so a resume must restore every rank's own state: stopped at step 3 and
+    resumed, a run with attention dropout equals the uninterrupted one float for float, and with the two ranks'
+    saved states swapped before the resume its losses after step 3 differ (the demo model has no dropout: without
+    one, a resume that restored any RNG state would pass every other resume test)."""
+    dropout = {"model.config": model_file(tmp_path / "model", attention_dropout=0.1), "train.max_steps": 6}
+    reference = run_config(tmp_path, "reference", **dropout)
+    gloo_pool.run(launch, reference)
+    losses = {}
+    for name in ("resumed", "swapped"):
+        gloo_pool.run(launch, run_config(tmp_path, name, **dropout, **{"train.stop_at_step": 3}))
+        cfg = run_config(tmp_path, name, **dropout)
+        if name == "swapped":
+            swap_rank_rng_states(cfg.run_dir / "checkpoint_00000003")
+        gloo_pool.run(launch, cfg)
+        assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3]
+        losses[name] = step_losses(cfg.run_dir)
+    assert losses["resumed"] == step_losses(reference.run_dir)
+    assert losses["swapped"][:3] == losses["resumed"][:3]
+    assert all(a != b for a, b in zip(losses["swapped"][3:], losses["resumed"][3:], strict=True)), losses
+
+
+def swap_rank_rng_states(ckpt: Path) -> None:
+    """Ranks 0 and 1's RNG states exchanged in a checkpoint, its manifest made to match (a complete checkpoint)."""
+    from safetensors.torch import load_file, save_file
+
+    rng = ckpt / "rng.safetensors"
+    states = load_file(rng)
+    states["cpu.0"], states["cpu.1"] = states["cpu.1"], states["cpu.0"]
+    save_file(states, rng)
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    manifest["files"][rng.name] = {"size": rng.stat().st_size, "sha256": hashlib.sha256(rng.read_bytes()).hexdigest()}
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def dir_bytes(path: Path) -> int:

@@ -1,7 +1,9 @@
-"""What Ray Train's controller runs of raysft, kept light on purpose: the controller unpickles the run's callback and
-validation function, and so imports their module, before it starts any worker. From raysft.launch.ray_driver that
-meant torch, transformers and the rest of raysft on every launch's path to its first step (some 5 s on 2 cores);
-from here it is the standard library, pyarrow and raysft's errors and storage.
+"""What Ray's processes other than the training workers run of raysft, kept light on purpose. Ray Train's controller
+unpickles the run's callback and validation function, and so imports their module, before it starts any worker; the
+driver's StopFlag is an actor of its own, whose process imports its class's module. From raysft.launch.ray_driver
+that meant torch, transformers and the rest of raysft in each of those processes, on every launch's path to its
+first step (some 5 s of CPU each on 2 cores); from here it is the standard library, pyarrow and raysft's errors and
+storage.
 
 A run-ending error (raysft.errors.ends_the_run) met on a worker is written down in the run directory before it is
 raised (`record_run_ending`); the controller's callback (`EndRunOnRecordedError`) reads the record after the poll
@@ -14,6 +16,7 @@ import json
 import threading
 from pathlib import Path
 
+import ray
 from ray.train import ControllerError, UserCallback
 
 from raysft.errors import run_ending_type
@@ -41,6 +44,21 @@ class EndRunOnRecordedError(UserCallback):
         if recorded_run_ending(self.run_dir) is not None:
             raise ControllerError(RunEnded(f"ranks {sorted(worker_exceptions)} raised; one recorded a run-ending "
                                            f"error in {self.run_dir}"))
+
+
+@ray.remote(num_cpus=0)
+class StopFlag:
+    """The driver's stop request (it got SIGTERM), which rank 0 asks at each of the training loop's notice checks:
+    under Ray the signal reaches the driver, not the workers."""
+
+    def __init__(self):
+        self.requested = False
+
+    def request(self) -> None:
+        self.requested = True
+
+    def get(self) -> bool:
+        return self.requested
 
 
 def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", engine: str = "hf") -> dict:

@@ -39,6 +39,7 @@ from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_controller import (
     EndRunOnRecordedError,
     RunEnded,
+    StopFlag,
     clear_run_ending_records,
     recorded_run_ending,
     validate_checkpoint,
@@ -167,21 +168,6 @@ def request_stop(stop_flag) -> None:
         raise RuntimeError(f"Ray did not take the request within {STOP_REQUEST_TIMEOUT_S:g} s ({type(e).__name__}): "
                            "its own processes got the signal too, as from a signal to the whole job, or are "
                            "gone") from e
-
-
-@ray.remote(num_cpus=0)
-class StopFlag:
-    """The driver's stop request (it got SIGTERM), which rank 0 asks at each of the training loop's notice checks:
-    under Ray the signal reaches the driver, not the workers."""
-
-    def __init__(self):
-        self.requested = False
-
-    def request(self) -> None:
-        self.requested = True
-
-    def get(self) -> bool:
-        return self.requested
 
 
 def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
