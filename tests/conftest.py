@@ -73,12 +73,50 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+# Session fixtures that hold processes (a Ray head, the namespace cluster, the gloo pools): each is stopped right after
+# the last test that asks for it, not at the session's end, so that no test runs beside an idle cluster it does not
+# use. A test that asks for one later, through request.getfixturevalue, starts it again.
+RELEASED_AFTER_LAST_USER = ("ray_head", "netns_cluster", "gloo_pool", "gloo_pool4")
+_last_user: dict[str, str] = {}
+
+
 def pytest_collection_modifyitems(items):
     """A test that takes a Ray cluster fixture is slow: `make test-fast` (-m "not slow") leaves it out. Modules
-    that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves."""
+    that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves. The tests that share a
+    cluster run one after another (the suite's Ray head, then the namespace cluster), after every test that starts
+    no Ray, in the order of their files otherwise."""
     for item in items:
         if {"ray_cluster", "netns_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    on_head = {item.path for item in items if "ray_head" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: _cluster_group(item, on_head))
+    for item in items:
+        for name in RELEASED_AFTER_LAST_USER:
+            if name in getattr(item, "fixturenames", ()):
+                _last_user[name] = item.nodeid
+
+
+def _cluster_group(item, on_head: set) -> int:
+    """0: starts no Ray; 1: starts Ray of its own; 2: the suite's Ray head, with the slow tests of the files that use
+    it (a module's fixtures, such as test_storage's S3 server and gloo pair, then start once); 3: the namespace
+    cluster."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if "netns_cluster" in fixtures:
+        return 3
+    if not item.get_closest_marker("slow"):
+        return 0
+    return 2 if "ray_head" in fixtures or item.path in on_head else 1
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the test's own teardown: stop what RELEASED_AFTER_LAST_USER holds when this was its last user."""
+    try:
+        return (yield)
+    finally:
+        for name in (n for n, last in _last_user.items() if last == item.nodeid):
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                fixturedef.finish(item._request)
 
 
 @pytest.fixture(scope="session")

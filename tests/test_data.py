@@ -408,14 +408,18 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-@pytest.mark.parametrize("prepare", ["local", pytest.param("ray", marks=pytest.mark.slow)])
-def test_a_full_store_disk_is_named_and_with_space_again_a_whole_store_is_written(tmp_path, tok, small_disk, prepare,
-                                                                                  request):
+def test_a_full_store_disk_is_named_and_with_space_again_a_whole_store_is_written(tmp_path, tok, small_disk):
     """ENOSPC during prepare: StoreFull naming data.store_dir, no torn store left to be reused, the directory's
     other files kept; after space is freed the next prepare writes the store every launch would have written."""
-    if prepare == "ray":
-        request.getfixturevalue("ray_cluster")
-        request.getfixturevalue("small_chunks")
+    fill_then_free(tmp_path, tok, small_disk, "local")
+
+
+def test_a_full_store_disk_met_by_ray_data_tasks_is_named_and_leaves_no_torn_store(tmp_path, tok, small_disk,
+                                                                                   ray_cluster, small_chunks):
+    fill_then_free(tmp_path, tok, small_disk, "ray")
+
+
+def fill_then_free(tmp_path, tok, small_disk, prepare: str) -> None:
     cfg = DataConfig(paths=["builtin:demo"], prepare=prepare)
     root = small_disk / "stores"
     root.mkdir()

@@ -378,14 +378,12 @@ def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_pat
 
     squatter = Squatter.remote()
     ray.get(squatter.ready.remote())
-    start = time.monotonic()
     try:
         with pytest.raises(CannotPlaceWorkers, match=r"could not start 2 workers .* in 2 attempts of 10 s "
                                                       r"\(scaling.placement_timeout_s=20\)"):
             raysft.train(config(tmp_path, "busy", **{"scaling.placement_timeout_s": 20}))
     finally:
         ray.kill(squatter)
-    assert time.monotonic() - start < 20 + 60
 
 
 def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_accident(tmp_path, nodes,

@@ -182,10 +182,8 @@ def test_sigterm_to_the_whole_job_then_a_grace_that_expires_end_in_time_and_leav
         launch = start_train(tmp_path, "c", env, storage, **{"scaling.num_workers": 1, "checkpoint.every_n_steps": 2})
         try:
             wait_for_step(run_dir, launch, 3)
-            sent = time.monotonic()
             os.killpg(launch.pid, signal.SIGTERM)
-            assert launch.wait(timeout=120) == EXIT_SIGTERM
-            whole_job_took = time.monotonic() - sent
+            assert launch.wait(timeout=300) == EXIT_SIGTERM
             whole_job = [(tmp_path / f).read_text() for f in ("c.out", "c.err")]
             before = newest_checkpoint(run_dir)  # taken before the signal: none is taken at it
 
@@ -196,20 +194,20 @@ def test_sigterm_to_the_whole_job_then_a_grace_that_expires_end_in_time_and_leav
             wait_for(lambda: (faults / "slowed").exists(), launch, "a slowed step")
             sent = time.monotonic()
             launch.send_signal(signal.SIGTERM)
-            assert launch.wait(timeout=120) == EXIT_SIGTERM
+            assert launch.wait(timeout=300) == EXIT_SIGTERM
             grace_took = time.monotonic() - sent
             grace = [(tmp_path / f).read_text() for f in ("c.out", "c.err")]
         finally:
             if launch.poll() is None:
                 os.killpg(launch.pid, signal.SIGKILL)
-    assert whole_job_took < 40, whole_job_took  # the stop request's timeout and Ray's shutdown, not the grace of 60 s
-    # Which of the driver's two threads meets Ray's end first is a race: the stop request (refused or timed out),
-    # or Ray Train's `fit` (its worker actor gone). Either way the driver says no checkpoint was taken, and why.
+    # The driver ended on Ray's end, not on the grace of 60 s. Which of its two threads met that end first is a race:
+    # the stop request (refused or timed out), or Ray Train's `fit` (its worker actor gone). Either way the driver
+    # says no checkpoint was taken, and why.
     assert any(f"raysft: stopped by SIGTERM ({why}" in whole_job[1] for why in (
         "the workers could not be asked to checkpoint: Ray did not take the request",
         "the run failed after the signal: ")) and "no checkpoint was taken" in whole_job[1], whole_job[1][-3000:]
     assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resume"] == [before]
-    assert 5 <= grace_took < 40, grace_took
+    assert grace_took >= 5, grace_took  # the grace was kept to, not cut short
     assert "raysft: stopped by SIGTERM (the workers did not checkpoint within run.stop_grace_s=5); no checkpoint " \
            "was taken at the stop" in grace[1], grace[1][-3000:]
     for out, err in (whole_job, grace):
@@ -278,10 +276,11 @@ def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctr
 
     signals = DriverSignals(grace_s=60, on_term=lambda: None)
     threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT)).start()
-    start = time.monotonic()
+    call = Blocked()
     with pytest.raises(Stopped) as stop:
-        signals.run(lambda: time.sleep(60))
-    assert time.monotonic() - start < 30
+        signals.run(call)
+    assert not call.returned  # given up at once, not when the call returned
+    call.release()
     assert not stop.value.checkpointed and stop.value.exit_code == EXIT_SIGINT
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
@@ -294,37 +293,65 @@ def test_the_driver_stops_on_sigterm_after_the_workers_return_and_at_once_on_ctr
     assert box == ["ran"]
 
 
+class Blocked:
+    """A call that blocks until released (at most 300 s: a driver that waited for it fails the test instead of
+    hanging it), and says whether it returned: a driver that stopped while it had not, did not wait for it."""
+
+    def __init__(self):
+        import threading
+
+        self.event, self.returned = threading.Event(), False
+
+    def __call__(self):
+        self.event.wait(300)
+        self.returned = True
+
+    def release(self) -> None:
+        self.event.set()
+
+
 def test_the_driver_keeps_to_its_grace_when_the_stop_request_hangs_or_fails_or_ray_fails_after_it():
     """After a signal to the whole job, Ray's own processes are gone: the stop request to the workers never returns
-    or fails, and Ray's fit fails. The driver still stops as SIGTERM says, without a checkpoint, in time."""
+    or fails, and Ray's fit fails. The driver still stops as SIGTERM says, without a checkpoint and without waiting
+    for the call that never returns (or for the stop request, past the grace)."""
     import threading
 
-    def stopped_by_sigterm(on_term, fn, grace_s=1.0) -> tuple[Stopped, float]:
+    def stopped_by_sigterm(on_term, fn, grace_s=1.0) -> Stopped:
         threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
-        start = time.monotonic()
         with pytest.raises(Stopped) as stop:
             DriverSignals(grace_s, on_term).run(fn)
         assert not stop.value.checkpointed and stop.value.exit_code == EXIT_SIGTERM
-        return stop.value, time.monotonic() - start
+        return stop.value
 
+    calls = []
     try:
-        stop, took = stopped_by_sigterm(lambda: threading.Event().wait(60), lambda: time.sleep(60))
-        assert took < 10 and "did not checkpoint within run.stop_grace_s=1" in str(stop)
+        request, call = Blocked(), Blocked()
+        calls += [request, call]
+        stop = stopped_by_sigterm(request, call)
+        assert "did not checkpoint within run.stop_grace_s=1" in str(stop) and not call.returned
+        assert not request.returned  # the grace passed while the stop request still hung
 
         def refused():
             raise RuntimeError("Ray did not take the request")
 
-        stop, took = stopped_by_sigterm(refused, lambda: time.sleep(60), grace_s=60)
-        assert took < 10 and str(stop) == "the workers could not be asked to checkpoint: Ray did not take the request"
+        call = Blocked()
+        calls.append(call)
+        stop = stopped_by_sigterm(refused, call, grace_s=60)
+        assert str(stop) == "the workers could not be asked to checkpoint: Ray did not take the request"
+        assert not call.returned  # stopped on the refusal, not on the call's return or the grace of 60 s
 
         def fit_fails_once_asked():
-            asked.wait(60)
+            asked.wait(300)
             raise ConnectionError("the controller is gone\nand a long story")
 
-        asked = threading.Event()
-        stop, took = stopped_by_sigterm(lambda: asked.set() or threading.Event().wait(60), fit_fails_once_asked, 60)
-        assert took < 10 and str(stop) == "the run failed after the signal: ConnectionError: the controller is gone"
+        asked, request = threading.Event(), Blocked()
+        calls.append(request)
+        stop = stopped_by_sigterm(lambda: asked.set() or request(), fit_fails_once_asked, 60)
+        assert str(stop) == "the run failed after the signal: ConnectionError: the controller is gone"
+        assert not request.returned  # stopped on fit's failure, not on the stop request or the grace of 60 s
     finally:
+        for blocked in calls:
+            blocked.release()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -342,10 +369,9 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
             "    s.run(lambda: time.sleep(60))\n"
             "except Exception:\n"
             "    time.sleep(60)  # where a shutdown would hang\n")
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    # 130 from the second Ctrl-C: a process that went on (the call's or the shutdown's sleep) would end with 0
     assert done.returncode == EXIT_SIGINT and "Traceback" not in done.stderr, done.stderr
-    assert time.monotonic() - start < 50
 
 
 def test_a_ray_address_nobody_answers_is_named_within_the_connect_timeout(tmp_path, monkeypatch):
@@ -359,9 +385,7 @@ def test_a_ray_address_nobody_answers_is_named_within_the_connect_timeout(tmp_pa
     if "RAYSFT_RAY_CONNECT_TIMEOUT_S" not in os.environ:
         assert local_ray.CONNECT_TIMEOUT_S == 30  # the default: well within a minute
     monkeypatch.setattr(local_ray, "CONNECT_TIMEOUT_S", 2.0)
-    start = time.monotonic()
     done = cli_in_process("train", "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "run.name=x")
-    assert time.monotonic() - start < 30
-    assert done.returncode == 1
+    assert done.returncode == 1  # raysft's probe, not ray.init's own retries (minutes, and another message)
     assert f"RAY_ADDRESS=127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}" in done.stderr
     assert not (tmp_path / "runs" / "datasets").exists()  # refused before the data is tokenized
