@@ -18,8 +18,8 @@ from raysft.training.metrics import read_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
-
-
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name != MANIFEST_FILE)
 
 
 def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tensor]:
@@ -28,9 +28,10 @@ def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tenso
 
 
 def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_for_bit(tmp_path, uninterrupted):
-    """Two launches of one run through Ray: sharded with async saves to step 6, then full to the end, resumed from
-    the checkpoint Ray registered where the workers wrote it (no copy); the run is the uninterrupted one, float for
-    float. (Three-leg mode switches without Ray: tests/test_run.py.)"""
+    """Two launches of one run through Ray: sharded with async saves to step 6, then full to the end, the second
+    found by run name and resumed from the checkpoint Ray registered where the workers wrote it (no copy); the run
+    is the uninterrupted one, float for float, and logs and checkpoints what a Ray run should. (Three-leg mode
+    switches without Ray: tests/test_run.py.)"""
     ref_losses, ref_weights = uninterrupted
     legs = [{"checkpoint.mode": "sharded", "checkpoint.async": True, "train.stop_at_step": 6},
             {"checkpoint.mode": "full"}]
@@ -53,7 +54,19 @@ def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_
 
     records = read_metrics(cfg.run_dir)
     assert [m["step"] for m in records if m.get("event") == "stop"] == [6]
-    assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
+    resume = [i for i, m in enumerate(records) if m.get("event") == "resume"]
+    assert [records[i]["step"] for i in resume] == [6]
+    assert [m["step"] for m in records[resume[0]:] if "loss" in m] == list(range(7, STEPS + 1))
+    steps = [m for m in records if "loss" in m]
+    assert all(m["tokens"] > 0 and m["mfu"] is None for m in steps)  # no known peak on a CPU
+    assert "eta_s" not in steps[0] and steps[4]["eta_s"] > 0  # the ETA needs one step's duration
+    last = [m for m in records if m.get("event") == "checkpoint"][-1]
+    assert last["step"] == STEPS and last["gb"] * 1e9 == pytest.approx(dir_bytes(ckpt), abs=1e5)
+    assert last["gb_per_s"] == pytest.approx(last["gb"] / last["save_s"], rel=0.05)
+    assert {"model.safetensors", "config.json", "optimizer.safetensors", "rng.safetensors", "trainer_state.json",
+            "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
+    assert state["step"] == STEPS
+    assert state["cursor"] == {"seed": 0, "epoch": 0, "consumed": STEPS * cfg.train.global_batch_size}
     assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*") if p.is_dir()) == \
         [f"checkpoint_{s:08d}" for s in (3, 6, 9, 12)]
     assert not (cfg.run_dir / ".staging").exists()

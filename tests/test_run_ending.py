@@ -1,7 +1,8 @@
 """Errors no relaunch changes (raysft.errors.ends_the_run), met inside the ranks: the run ends on the first
 occurrence and the user reads one line, no rank's traceback. Ray-free: the torchrun entry's launch
 (raysft.launch.torchrun.run_launch) on the suite's gloo pair. Under Ray the same errors end the run without a
-restart: tests/test_cli.py::test_an_error_met_in_the_workers_ends_the_run_at_once_as_one_line."""
+restart, as one line: tests/test_train_ray.py::
+test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint."""
 
 import contextlib
 import io

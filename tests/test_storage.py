@@ -5,6 +5,7 @@ from it (sharded checkpoints read by each rank straight from storage), and expor
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from types import SimpleNamespace
 import pyarrow.fs as pafs
 import pytest
 import torch
-from conftest import REPO, gloo_processes, ray_connection, run_workers, tiny_config
+import yaml
+from conftest import REPO, cli_in_process, gloo_processes, ray_connection, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -31,7 +33,6 @@ from raysft.launch import lease as lease_module
 from raysft.launch.lease import LEASE_FILE, RunInUse, RunLease
 from raysft.launch.prelaunch import RUN_FILE, claim_run_dir
 from raysft.launch.ray_controller import RUN_ENDING_PREFIX
-from raysft.launch.ray_worker import ray_worker_context
 from raysft.storage import Location, location
 from raysft.training.metrics import MetricsLogger, read_metrics
 from raysft.training.trainer import Trainer
@@ -262,9 +263,8 @@ def test_export_reads_remote_checkpoints_of_both_modes_into_models_transformers_
         assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
 
 
-def _load_from_storage(loop: dict) -> None:
+def _load_from_storage(ctx, loop: dict) -> None:
     """Resume a Trainer from a sharded checkpoint on s3://, recording each rank's DCP reader and its bytes."""
-    ctx = ray_worker_context()
     readers = []
     original = ckpt_module.dcp_reader
 
@@ -283,15 +283,16 @@ def _load_from_storage(loop: dict) -> None:
         "bytes_read": sum(r.bytes_read for r in readers)}))
 
 
-def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downloaded(runs, tmp_path):
+def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downloaded(runs, tmp_path, s3_processes):
     """Each rank fetches the byte ranges of its own shards: its own __<rank>_0.distcp (written by the same
-    topology), nowhere near the whole checkpoint, and no rank downloads it first."""
+    topology), nowhere near the whole checkpoint, and no rank downloads it first. (On the module's gloo pair: what
+    is read is the Trainer's, with or without Ray.)"""
     ckpt = runs.remote.run_dir / "checkpoint_00000003"
     values = runs.remote.to_dict()
     cfg = config_from_dict({**values, "run": {**values["run"], "name": "load-probe"}})  # its own metrics
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
-    run_workers(_load_from_storage, {"config": cfg.to_dict(), "store": str(store), "checkpoint": ckpt,
-                                     "out": str(tmp_path)}, tmp_path)
+    s3_processes.run(_load_from_storage, {"config": cfg.to_dict(), "store": str(store), "checkpoint": ckpt,
+                                          "out": str(tmp_path)})
     sizes = ckpt.files()
     total = sum(size for name, size in sizes.items() if name.endswith(".distcp"))
     for rank in (0, 1):
@@ -304,11 +305,16 @@ def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downlo
 def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix):
     """HYBRID_SHARD without parallel.hsdp_shard_size on one host (one Ray node, or logical nodes sharing its IP):
     the workers refuse the layout, naming the fix; each leaves the error in raysft_error.<rank>.json on s3://, and
-    the driver raises it instead of Ray retrying."""
+    the driver raises it instead of Ray retrying: `raysft train` prints it as its one line."""
     cfg = s3_config(tmp_path, prefix, **{"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
                                          "train.micro_batch_size": 2, "train.global_batch_size": 8})
-    with pytest.raises(ConfigError, match="HYBRID_SHARD on one node .*node 0: 4.* set parallel.hsdp_shard_size"):
-        raysft.train(cfg)
+    config_file = tmp_path / "hybrid.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
+    done = cli_in_process("train", str(config_file))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.fullmatch(r"raysft: error: ConfigError: .*HYBRID_SHARD on one node .*node 0: 4.* set "
+                        r"parallel.hsdp_shard_size.*", lines[-1]), lines
     records = [json.loads(f.read_text()) for f in cfg.run_dir.children() if f.name.startswith(RUN_ENDING_PREFIX)]
     assert records and all(r["type"] == "ConfigError" for r in records)
     with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):

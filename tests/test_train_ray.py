@@ -1,12 +1,16 @@
-"""Real Ray Train, real FSDP2 over gloo with 2 workers, real files: training, checkpoint, resume by run name, a
-cluster too small. What needs no Ray (export, exact resume, packing) is in tests/test_training.py."""
+"""Real Ray Train, real FSDP2 over gloo with 2 workers, real files: checkpoint scores and retention, validation
+tasks beside training, a run-ending error, a cluster too small. A Ray run stopped and resumed by run name, equal to
+the run without Ray: tests/test_checkpoint_ray.py. What needs no Ray (export, exact resume, packing) is in
+tests/test_training.py."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, cli_in_process, tiny_config
 from safetensors.torch import load_file
 
@@ -18,7 +22,6 @@ from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.launch.ray_driver import CannotPlaceWorkers
 from raysft.training.metrics import read_metrics
-from raysft.training.step_guard import TrainingDivergedError
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 PROBE = torch.tensor([[5, 60, 70, 80, 90, 100, 3, 4], [7, 8, 9, 10, 11, 12, 13, 14]])
@@ -30,39 +33,6 @@ def store_for(cfg: TrainConfig) -> Path:
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in run_dir.glob("checkpoint_*") if p.is_dir())
-
-
-def test_two_workers_lower_the_loss_and_resume_by_run_name(tmp_path):
-    cfg = tiny_config(tmp_path, **{"train.max_steps": 40, "checkpoint.every_n_steps": 20})
-    result = raysft.train(cfg)
-    steps = [m for m in read_metrics(cfg.run_dir) if "step" in m and "loss" in m]
-    assert [m["step"] for m in steps] == list(range(1, 41))
-    first, last = [sum(m["loss"] for m in part) / 5 for part in (steps[:5], steps[-5:])]
-    assert last < 0.6 * first, (first, last)
-    assert all(m["tokens"] > 0 and m["mfu"] is None for m in steps)  # no known peak on a CPU
-    assert 0 < steps[-2]["eta_s"] and "eta_s" not in steps[0]  # the ETA needs one step's duration
-    saves = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "checkpoint"]
-    ckpt_bytes = sum(f.stat().st_size for f in Path(result.checkpoint.path).iterdir())
-    assert [m["step"] for m in saves] == [20, 40] and saves[-1]["gb"] == pytest.approx(ckpt_bytes / 1e9, abs=1e-4)
-    assert saves[-1]["gb_per_s"] == pytest.approx(saves[-1]["gb"] / saves[-1]["save_s"], rel=0.05)
-    assert Path(result.checkpoint.path).name == "checkpoint_00000040"
-    assert checkpoint_steps(cfg.run_dir) == [20, 40]
-    ckpt = Path(result.checkpoint.path)
-    assert {"model.safetensors", "config.json", "optimizer.safetensors", "rng.safetensors",
-            "trainer_state.json", "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["step"] == 40
-    assert state["cursor"] == {"seed": 0, "epoch": 0, "consumed": 40 * cfg.train.global_batch_size}
-
-    # Launching the same run again (same name and storage) continues from step 40 instead of starting over.
-    longer = tiny_config(tmp_path, **{"train.max_steps": 50, "checkpoint.every_n_steps": 20})
-    result = raysft.train(longer)
-    records = read_metrics(cfg.run_dir)
-    resume = [r for r in records if r.get("event") == "resume"]
-    assert len(resume) == 1 and resume[0]["step"] == 40
-    after = [r["step"] for r in records[records.index(resume[0]):] if "loss" in r]
-    assert after == list(range(41, 51))
-    assert Path(result.checkpoint.path).name == "checkpoint_00000050"
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +113,19 @@ def test_a_validation_task_scores_each_checkpoint_beside_training_a_relaunch_red
 
 
 def test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint(tmp_path):
-    """The issue's train.lr=1e20 under Ray: the workers' TrainingDivergedError reaches the driver by name, Ray does
-    not restart the run into it (scaling.max_failures: 3), and every checkpoint Ray kept holds finite weights."""
+    """train.lr=1e20 under Ray, through `raysft train`: the workers' TrainingDivergedError reaches the driver by name
+    and the terminal as its one line, Ray does not restart the run into it (scaling.max_failures: 3: no second
+    start), and every checkpoint Ray kept holds finite weights."""
     cfg = tiny_config(tmp_path, **{"train.lr": 1e20, "train.warmup_steps": 0, "train.max_steps": 12,
                                    "checkpoint.every_n_steps": 2, "checkpoint.mode": "full",
-                                   "train.max_skipped_steps": 3})
-    with pytest.raises(TrainingDivergedError, match=r"step \d+: 3 steps in a row skipped .* non-finite loss"):
-        raysft.train(cfg)
+                                   "train.max_skipped_steps": 3, "scaling.max_failures": 3})
+    config_file = tmp_path / "diverged.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
+    done = cli_in_process("train", str(config_file))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.fullmatch(r"raysft: error: TrainingDivergedError: step \d+: 3 steps in a row skipped .* non-finite "
+                        r"loss.*", lines[-1]), lines
     records = read_metrics(cfg.run_dir)
     assert [r["event"] for r in records if r.get("event") in ("start", "resume")] == ["start"]
     assert checkpoint_steps(cfg.run_dir)
