@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -52,7 +53,8 @@ def pytest_runtest_logstart(nodeid, location):
             continue
         label = " ".join(a.decode(errors="replace").rsplit("/", 1)[-1] for a in argv[:3] if a)[:60]
         left[label] = left.get(label, 0) + 1
-    record = {"file": name, "load1": round(os.getloadavg()[0], 2), "swap_mib": swap_kib // 1024, "left": left}
+    record = {"file": name, "time": round(time.time(), 1), "load1": round(os.getloadavg()[0], 2),
+              "swap_mib": swap_kib // 1024, "left": left}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -350,7 +352,6 @@ class GlooPool:
 
     def run(self, fn, *args, timeout: float = 600):
         import queue
-        import time
 
         for q in self.tasks:
             q.put((fn, args))
