@@ -208,6 +208,16 @@ def tiny_config(tmp_path, **sections):
     return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
 
 
+@contextlib.contextmanager
+def promise(name: str):
+    """One promise of a scenario test that checks several in one launch: a failed assertion inside names it first,
+    so that the failure still says which promise broke."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(f"broken promise: {name}: {e}") from e
+
+
 def model_file(directory: Path, **architecture) -> str:
     """A config.json for model.config: the demo-tiny preset with the demo tokenizer's vocabulary, changed by
     `architecture` (LlamaConfig's keys), for tests that need a model the preset is not (dropout, uneven shapes)."""

@@ -20,7 +20,7 @@ import pytest
 import ray
 import torch
 import yaml
-from conftest import REPO, start_cluster, tiny_config
+from conftest import REPO, promise, start_cluster, tiny_config
 from fault_injection import COORDINATOR_TICK_S, FAULTS_ENV, arm
 from safetensors.torch import load_file
 
@@ -262,27 +262,6 @@ def ray_tracked(run_dir: Path) -> list[str]:
     return sorted(Path(r["checkpoint_dir_name"]).name for r in snapshot["checkpoint_results"])
 
 
-def test_a_full_disk_during_a_save_ends_the_run_without_retrying_and_keeps_the_last_good_checkpoint(
-        tmp_path, nodes, reference, cluster):
-    ref = reference(2)
-    nodes()
-    arm(cluster.faults, "disk_full", step=2 * EVERY)
-    cfg = config(tmp_path, "full-disk", **{"checkpoint.keep": 5})
-    with pytest.raises(CheckpointSaveError, match=r"full-disk/.staging/checkpoint_00000012: writing the checkpoint of "
-                                                  r"step 12 failed on 1 rank.*No space left on device: "
-                                                  r".*model.safetensors"):
-        raysft.train(cfg)
-    records = read_metrics(cfg.run_dir)
-    assert [m["event"] for m in records if m.get("event") in ("start", "resume")] == ["start"]  # not retried
-    assert last_step(cfg.run_dir) == 2 * EVERY
-    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000006"]
-    assert not (cfg.run_dir / ".staging").exists()  # nothing of the failed save is left
-
-    result = raysft.train(cfg)  # space freed: the relaunch resumes from the last good checkpoint
-    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [EVERY]
-    assert_same_run(cfg, result, ref)
-
-
 def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_path, nodes, reference, cluster):
     ref = reference(2)
     a = nodes()
@@ -389,6 +368,11 @@ def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_pat
 def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_accident(tmp_path, nodes,
                                                                                           reference, cluster,
                                                                                           gloo_pool):
+    """One run through four faults a user meets in turn. The `raysft train` process is killed at step 8; the same
+    command again resumes. That relaunch meets a full disk in its step-18 save: the run ends at once, not retried,
+    keeping checkpoint 12 and nothing of the failed save. Launched once more (space freed), it resumes from
+    checkpoint 12 and ends as the uninterrupted run, bit for bit. Then a launch with another seed is refused without
+    writing anything, and --fresh keeps the old run beside the new one."""
     ref = reference(2)
     nodes()
     cfg = config(tmp_path, "driver")
@@ -404,21 +388,38 @@ def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_
         driver.wait()
     fault_time = time.time()
     wait_for(lambda: not train_worker_pids(), 120, "Ray to end the dead driver's workers")
-    result = raysft.train(cfg)  # the same command again
-    row = recovery(cfg.run_dir, fault_time, "driver killed", "SIGKILL to the `raysft train` process; launched again")
-    assert 0 <= row["steps_lost"] < EVERY + 2
-    assert_same_run(cfg, result, ref)
 
-    before = sorted(p.name for p in cfg.run_dir.rglob("*"))
-    with pytest.raises(ConfigError, match="started with train.seed=0, this launch has 1.*--fresh"):
-        raysft.train(config(tmp_path, "driver", **{"train.seed": 1}))
-    assert sorted(p.name for p in cfg.run_dir.rglob("*")) == before  # nothing written
+    with promise("a relaunch after a full disk in a save ends at once, not retried, keeping the last good one"):
+        arm(cluster.faults, "disk_full", step=3 * EVERY)  # past the checkpoint the killed driver may have reached
+        with pytest.raises(CheckpointSaveError, match=r"driver/.staging/checkpoint_00000018: writing the checkpoint "
+                                                      r"of step 18 failed on 1 rank.*No space left on device: "
+                                                      r".*model.safetensors"):
+            raysft.train(cfg)  # the same command again
+        records = read_metrics(cfg.run_dir)
+        assert [m["event"] for m in records if m.get("event") in ("start", "resume")] == ["start", "resume"]
+        assert last_step(cfg.run_dir) == 3 * EVERY
+        assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000006", "checkpoint_00000012"]
+        assert not (cfg.run_dir / ".staging").exists()  # nothing of the failed save is left
 
-    # --fresh starts the run over and keeps the old one aside (the same claim with or without Ray: raysft.run)
-    from raysft.launch.torchrun import launch
+    with promise("each relaunch resumes from the last good checkpoint, and the run is the uninterrupted one"):
+        result = raysft.train(cfg)  # space freed: the same command once more
+        row = recovery(cfg.run_dir, fault_time, "driver killed",
+                       "SIGKILL to the `raysft train` process; launched again")
+        assert 0 <= row["steps_lost"] < EVERY + 2
+        assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"][-1] == 2 * EVERY
+        assert_same_run(cfg, result, ref)
 
-    gloo_pool.run(launch, config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), True)
-    kept = list(cfg.run_dir.parent.glob("driver.replaced-*"))
-    assert len(kept) == 1 and (kept[0] / "checkpoint_00000024").is_dir()
-    assert [m["event"] for m in read_metrics(cfg.run_dir) if "event" in m][0] == "start"
-    assert last_step(cfg.run_dir) == 2
+    with promise("a launch that would overwrite the run by accident is refused, and writes nothing"):
+        before = sorted(p.name for p in cfg.run_dir.rglob("*"))
+        with pytest.raises(ConfigError, match="started with train.seed=0, this launch has 1.*--fresh"):
+            raysft.train(config(tmp_path, "driver", **{"train.seed": 1}))
+        assert sorted(p.name for p in cfg.run_dir.rglob("*")) == before
+
+    with promise("--fresh starts the run over and keeps the old one aside"):  # the same claim without Ray
+        from raysft.launch.torchrun import launch
+
+        gloo_pool.run(launch, config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), True)
+        kept = list(cfg.run_dir.parent.glob("driver.replaced-*"))
+        assert len(kept) == 1 and (kept[0] / "checkpoint_00000024").is_dir()
+        assert [m["event"] for m in read_metrics(cfg.run_dir) if "event" in m][0] == "start"
+        assert last_step(cfg.run_dir) == 2
