@@ -312,8 +312,8 @@ def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp
     config_file.write_text(yaml.safe_dump(cfg.to_dict()))
     done = cli_in_process("train", str(config_file))
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert re.fullmatch(r"raysft: error: ConfigError: .*HYBRID_SHARD on one node .*node 0: 4.* set "
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.fullmatch(r"raysft: config error: .*HYBRID_SHARD on one node .*node 0: 4.* set "
                         r"parallel.hsdp_shard_size.*", lines[-1]), lines
     records = [json.loads(f.read_text()) for f in cfg.run_dir.children() if f.name.startswith(RUN_ENDING_PREFIX)]
     assert records and all(r["type"] == "ConfigError" for r in records)
