@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_close_but_for_rare_elements
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from raysft.config import LoraConfig, ModelConfig, ParallelConfig
@@ -155,8 +156,10 @@ def test_tied_weights_are_read_per_rank_stay_tied_through_a_step_and_no_rank_hol
         for name, (index, _) in result["shards"].items():
             expected = dict(stepped.named_parameters())[name].detach()[tuple(slice(a, b) for a, b in index)]
             assert not torch.equal(expected, reference[name][tuple(slice(a, b) for a, b in index)]), name
-            torch.testing.assert_close(result["stepped"][name], expected, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, name=name, rank=rank: f"rank {rank}: {name} after a step: {m}")
+            # AdamW's first step moves each element by lr times its gradient's sign: one whose gradient is nearly
+            # zero may round to the other sign in another layout (1.9e-6 seen); wrong gradients flip most
+            assert_close_but_for_rare_elements(result["stepped"][name], expected, rtol=1e-5, atol=1e-6, bound=2e-3,
+                                               what=f"rank {rank}: {name} after a step")
 
 
 def _save_and_resume(ctx, path: str, out: Path) -> bool:

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import assert_close_but_for_rare_elements, tiny_config
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -79,9 +79,9 @@ def test_all_strategies_match_a_single_process_reference(tmp_path, gloo_pool4):
                                    msg=lambda m, name=name: f"{name} losses: {m}")
         weights = load_file(tmp_path / f"{name}.safetensors")
         assert weights.keys() == ref_weights.keys()
-        # Adam divides each element's step by its own gradient's size, so float rounding in an element whose
-        # gradients nearly cancel moves it by up to ~1% of lr (1.2e-5 seen); a lost or doubled micro-batch moves
-        # most elements by about lr (3e-3) each step: far outside.
+        # Adam divides each element's step by its own gradient's size: rounding in an element whose gradients
+        # nearly cancel moves it by up to a few % of lr (1.2e-5 and 6.3e-5 seen, on two CPUs); a lost or doubled
+        # micro-batch moves most elements by about lr (3e-3) each step: far outside.
         for key, value in weights.items():
-            torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-2 * cfg.train.lr,
-                                       msg=lambda m, name=name, key=key: f"{name} {key}: {m}")
+            assert_close_but_for_rare_elements(value, ref_weights[key], rtol=1e-4, atol=1e-2 * cfg.train.lr,
+                                               bound=STEPS * cfg.train.lr, what=f"{name} {key}")
