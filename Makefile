@@ -24,6 +24,7 @@ demo: $(BIN)/raysft
 test: $(BIN)/raysft
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# For a developer's loop: no Ray, no fault scenarios, no benchmark harnesses (tests marked slow). CI runs `make test`.
+# For a developer's loop: no Ray, no fault scenarios, no benchmark harnesses, no long training runs (tests marked
+# slow). CI runs `make test`.
 test-fast: $(BIN)/raysft
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -69,6 +69,7 @@ def test_conversation_renders_the_history_with_the_training_template(run):
     assert chat.messages == [{"role": "system", "content": "Answer briefly."}]
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_repl_over_piped_stdin_keeps_the_history_resets_and_exits(run):
     model = ChatModel.load(run.sharded_hf)
     chat = Conversation(model, max_new_tokens=int(TOKENS))

@@ -103,6 +103,7 @@ def _async_saves(ctx, cfg, store: Path, out: Path) -> tuple[str, str]:
     return failed_save, "loaded"
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_async_save_keeps_its_step_and_a_failed_save_leaves_nothing(tmp_path, gloo_pool):
     cfg = run_config(tmp_path, "async", **{"checkpoint.async": True})
     store = prepare_store(cfg.data, load_tokenizer(cfg.model, cfg.data.chat_template), cfg.store_dir).path
@@ -221,6 +222,7 @@ def _split_full_saves(ctx, cfg, store: Path, out: Path) -> tuple[bool, bool, str
     return resumed[2], resumed[3], refused
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_full_checkpoint_in_files_with_an_index_resumes_exports_and_loads_in_transformers(tmp_path, gloo_pool):
     """The model and optimizer files of a full checkpoint cut into groups (model-0000i-of-0000n.safetensors and
     its index, as HF writes a large model; optimizer likewise): every rank resumes its slices through the index

@@ -231,6 +231,7 @@ def with_dropout(tmp_path, tok) -> dict:
     return {"model.config": str(path)}
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_dpo_run_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool, tok):
     """Also with attention dropout in the model's config: dpo.disable_dropout (the default) turns it off, so the
     policy's step 1 is the reference (margin 0) and the resumed run draws nothing the uninterrupted one did not."""

@@ -173,6 +173,7 @@ def test_parallelize_refuses_fp8_on_a_cpu_mesh_before_converting_anything(gloo_p
         assert "Float8Linear" not in result["types"]
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_the_conversion_swaps_those_modules_for_float8_linear_keeping_names_shapes_and_dtypes(torchao_pool):
     result = torchao_pool.run(_converted)[0]
     assert result["names"] == CONVERTED

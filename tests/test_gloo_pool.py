@@ -22,6 +22,7 @@ def _sum_of_ranks(ctx) -> int:
     return int(value.item())
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_worker_that_dies_fails_its_task_by_name_and_the_next_runs_on_fresh_processes(gloo_pool):
     with pytest.raises(RuntimeError, match=r"worker\(s\) died .*\{1: -11\}"):
         gloo_pool.run(_segfault_on_rank_1, timeout=60)

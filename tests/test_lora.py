@@ -76,6 +76,7 @@ def test_lora_training_lowers_the_loss_and_checkpoints_only_the_adapters(referen
     assert json.loads((run_dir / "raysft_run.json").read_text())["model.lora"]["r"] == 4
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_lora_stop_and_resume_across_modes_is_bit_identical(tmp_path, gloo_pool, reference):
     """Sharded (async) to step 4, full to step 8, sharded to the end: the frozen base is rebuilt on every launch,
     the adapters, their AdamW state and the RNG come from the checkpoint; losses and adapters equal, bit for bit."""
@@ -102,6 +103,7 @@ def test_lora_stop_and_resume_across_modes_is_bit_identical(tmp_path, gloo_pool,
         gloo_pool.run(launch, run_config(tmp_path, "resumed", **{**LORA, "model.lora.r": 8}))
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_lora_with_dropout_resumes_bit_identically(tmp_path, gloo_pool):
     """Adapter dropout draws from each rank's RNG stream, which the checkpoint carries: a run stopped at step 3
     and resumed draws the masks the uninterrupted run drew, so its losses and adapters equal it bit for bit."""
@@ -182,6 +184,7 @@ def _train_each_strategy(ctx, config: dict, store: Path) -> None:
         Trainer(cfg, store, None, DirectorySink(cfg.run_dir, ctx.rank), ctx).train()
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_lora_trains_alike_in_every_strategy_with_checkpointing_mixed_precision_and_packing(tmp_path, gloo_pool4):
     """4 gloo processes: frozen base and adapters in the same FSDP2 groups, against one process with peft. Every
     strategy also runs with bf16, activation checkpointing and packed rows cut by train.micro_batch_tokens together

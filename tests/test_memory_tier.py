@@ -109,6 +109,7 @@ def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
         return launch_on_own_node(ctx, cfg)
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_snapshots_every_step_change_nothing_are_the_users_alone_count_skips_and_leave_nothing_behind(
         tmp_path, gloo_pool, uninterrupted):
     """...and a node never holds more than 2 steps (its own parts and its partner's copies), the newest whole one
@@ -137,6 +138,7 @@ def test_snapshots_every_step_change_nothing_are_the_users_alone_count_skips_and
     assert json.loads((cfg.run_dir / RUN_FILE).read_text())["run_id"].isalnum()
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_losing_no_step(
         tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 1 died after step 8; its node's snapshots are gone with it. The relaunch finds step 8 whole (rank 0's
@@ -254,6 +256,7 @@ def test_host_memory_short_on_one_rank_turns_the_tier_off_on_every_rank_and_the_
     assert [p.name for p in (tmp_path / "shm").iterdir()] == [".raysft.lock"]
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_rank_killed_mid_snapshot_leaves_no_part_and_the_step_before_is_resumed(
         tmp_path, gloo_pool, uninterrupted):
     cfg = memory_config(tmp_path, "mid-snapshot")
@@ -278,6 +281,7 @@ def two_a_node(gloo_pool4, tmp_path_factory):
     return faulted
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_ranks_sharing_a_node_keep_its_newest_whole_step_while_the_next_is_written(tmp_path, gloo_pool4,
                                                                                    two_a_node, uninterrupted4):
     """Node 1 died while the snapshot of step 8 was being written: node 0 still holds step 7 whole, its own parts

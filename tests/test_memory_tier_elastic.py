@@ -64,6 +64,7 @@ def uneven(gloo_pool, tmp_path_factory):
     return cfg, sets
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_run_that_grows_from_2_to_4_workers_resumes_from_memory_cut_again(tmp_path, gloo_pool, gloo_pool4, uneven):
     """Rank 1 of 2 died after step 8; the run comes back on 4 workers, 2 of them on a new node with nothing in
     its memory. Each new rank reads the rows it needs from the old parts (ranks 2 and 3 from rank 1's, sent to
@@ -79,6 +80,7 @@ def test_a_run_that_grows_from_2_to_4_workers_resumes_from_memory_cut_again(tmp_
     assert_same_run(cfg, reference, tmp_path / "hf")
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_resume_on_fewer_workers_without_every_shard_held_is_refused_by_name(tmp_path, gloo_pool, gloo_pool4):
     """4 workers, 2 a node, FULL_SHARD: node 1 is lost for good, and with it the only copies of ranks 2 and 3's
     parts (node 0's copies gone too). No new cut can be made without their rows: the log says whose, and the run
@@ -128,6 +130,7 @@ def hybrid(gloo_pool, gloo_pool4, tmp_path_factory):
                                    final_weights(reference.run_dir, tmp / "reference-hf"))
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_hybrid_shard_ranks_resumed_from_a_replicas_part_log_their_own_metrics(tmp_path, gloo_pool4, hybrid):
     """Node 1 comes back empty: its ranks resume from their replicas' parts of step 8 on node 0 (same shards), with
     their own metrics of steps 6 to 8, not yet logged (log every 5 steps). Before, they took their replicas' metric
@@ -140,6 +143,7 @@ def test_hybrid_shard_ranks_resumed_from_a_replicas_part_log_their_own_metrics(t
     assert len(stopped_rows) == FAULT_AT
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_hybrid_shard_run_that_loses_a_replica_group_goes_on_from_the_other_on_fewer_workers(
         tmp_path, gloo_pool, hybrid):
     """Node 1 does not come back: the 2 workers left (FULL_SHARD now: one node has nothing to replicate to) resume

@@ -41,6 +41,7 @@ def events(cfg, kind: str) -> list[dict]:
 
 # --- uneven nodes, and a partner that never answers ------------------------------------------------------------
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_uneven_nodes_snapshot_with_a_copy_off_each_node_and_a_lost_node_costs_no_step(tmp_path, gloo_pool4,
                                                                                       uninterrupted4):
     """3 workers on one node, 1 on another (Ray fills each node before the next). Before, rank 3's copy went to

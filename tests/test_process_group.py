@@ -53,6 +53,7 @@ def _offloaded_run(rank: int, port: int, storage: str, results) -> None:
     results.put((rank, code, seen))
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_an_offloaded_run_trains_on_a_device_mapped_gloo_group(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

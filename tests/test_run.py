@@ -96,6 +96,7 @@ def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tm
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_run_with_dropout_resumes_each_ranks_random_numbers_and_a_swap_of_them_shows(tmp_path, gloo_pool):
     """Dropout draws from each rank's RNG, so a resume must restore every rank's own state: stopped at step 3 and
     resumed, a run with attention dropout equals the uninterrupted one float for float, and with the two ranks'
@@ -142,6 +143,7 @@ def test_without_ray_checkpoint_keep_prunes_the_oldest(tmp_path, gloo_pool):
     assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*")) == ["checkpoint_00000006", "checkpoint_00000007"]
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_torchrun_runs_the_documented_command(tmp_path):
     """`torchrun -m raysft.run CONFIG --set ...` trains, checkpoints and exits 0."""
     common = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "raysft.run"]
@@ -158,6 +160,7 @@ def test_torchrun_runs_the_documented_command(tmp_path):
     assert "raysft/training/trainer.py" not in done.stderr, done.stderr[-3000:]  # no rank's traceback
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_elastic_resume_across_worker_counts_strategies_and_modes(tmp_path, uninterrupted, gloo_pool,
                                                                   gloo_pool4):
     """4 → 2 → 4 → 2 workers, four strategies, sharded → sharded → full → sharded: the global batch, and so the

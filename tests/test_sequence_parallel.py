@@ -95,6 +95,7 @@ def _assert_matches(tmp_path, name: str, ref_losses: list[float], ref_weights: d
                                    msg=lambda m, k=key: f"{name} {k}: {m}")
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_sequence_parallel_matches_a_single_process_reference(tmp_path, gloo_pool4):
     """N=2 and N=4, with activation checkpointing, NO_SHARD's replicated mesh, eval, LoRA, a global batch of one
     micro-batch per data-parallel group, and a run stopped at step 2 under N=4 and resumed under N=2 from its sharded

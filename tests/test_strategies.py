@@ -3,6 +3,7 @@ processes, no Ray: HYBRID_SHARD as 2 replicas of 2)."""
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,6 +67,7 @@ def reference(cfg: TrainConfig, store: Path) -> tuple[list[float], dict]:
     return losses, model.state_dict()
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_all_strategies_match_a_single_process_reference(tmp_path, gloo_pool4):
     cfg = tiny_config(tmp_path, **{"train.max_steps": STEPS, "train.global_batch_size": 16,
                                    "train.micro_batch_size": 2, "scaling.num_workers": 4})

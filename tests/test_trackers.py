@@ -89,6 +89,7 @@ def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_trackers_get_every_step_and_the_config_and_a_resume_continues_their_runs(tmp_path, gloo_pool,
                                                                                     mlflow_server):
     from mlflow.tracking import MlflowClient

@@ -62,6 +62,7 @@ def steps(cfg: TrainConfig) -> list[dict]:
     return [m for m in read_metrics(cfg.run_dir) if "loss" in m]
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_modes_train_alike_and_resume_bit_for_bit(tmp_path):
     configs = {name: tiny_config(tmp_path, **{**BASE, **sets, "run.name": name}) for name, sets in VARIANTS.items()}
     stopped = tiny_config(tmp_path, **{**BASE, **VARIANTS["packed-varlen-budget"], "run.name": "resumed",

@@ -124,6 +124,7 @@ def _train_variant(ctx, name: str, cfg: TrainConfig, store: Path, out: Path) -> 
     return sharded
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
     base = tiny_config(tmp_path)
     tokenizer = load_tokenizer(base.model, base.data.chat_template)
@@ -163,6 +164,7 @@ def test_mixed_precision_offload_and_other_families_train(tmp_path, gloo_pool):
     assert sum(m["skipped"] for m in fp16) < STEPS // 2
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_export_in_bf16_fp16_fp32_with_a_generation_config_that_stops_at_the_end_of_turn(tmp_path, gloo_pool):
     from transformers import AutoTokenizer, GenerationConfig
 
