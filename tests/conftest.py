@@ -2,6 +2,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -330,6 +331,18 @@ def cli_in_process(*args: str) -> subprocess.CompletedProcess:
         code = main(list(args))
     assert ray_connected() == connected, "cli_in_process is for commands that start no Ray"
     return subprocess.CompletedProcess(["raysft", *args], code, out.getvalue(), err.getvalue())
+
+
+def train_ends_in_one_line(cfg, config_file: Path, code: int, line: str) -> None:
+    """`raysft train CONFIG` (the config written to config_file), in this process on the Ray it is connected to,
+    ends with exit `code`, no traceback, and stderr's last line matching the regular expression `line`."""
+    import yaml
+
+    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
+    done = cli_in_process("train", str(config_file))
+    lines = [text for text in done.stderr.splitlines() if text.strip()]
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines and re.fullmatch(line, lines[-1]), lines
 
 
 def http_status(url: str, token: str | None = None) -> int:

@@ -5,7 +5,6 @@ from it (sharded checkpoints read by each rank straight from storage), and expor
 import json
 import os
 import pickle
-import re
 import socket
 import subprocess
 import sys
@@ -15,8 +14,7 @@ from types import SimpleNamespace
 import pyarrow.fs as pafs
 import pytest
 import torch
-import yaml
-from conftest import REPO, cli_in_process, gloo_processes, ray_connection, tiny_config
+from conftest import REPO, gloo_processes, ray_connection, tiny_config, train_ends_in_one_line
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -308,13 +306,8 @@ def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp
     the driver raises it instead of Ray retrying: `raysft train` prints it as its one line."""
     cfg = s3_config(tmp_path, prefix, **{"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
                                          "train.micro_batch_size": 2, "train.global_batch_size": 8})
-    config_file = tmp_path / "hybrid.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
-    done = cli_in_process("train", str(config_file))
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert re.fullmatch(r"raysft: config error: .*HYBRID_SHARD on one node .*node 0: 4.* set "
-                        r"parallel.hsdp_shard_size.*", lines[-1]), lines
+    train_ends_in_one_line(cfg, tmp_path / "hybrid.yaml", 2, r"raysft: config error: .*HYBRID_SHARD on one node "
+                                                             r".*node 0: 4.* set parallel.hsdp_shard_size.*")
     records = [json.loads(f.read_text()) for f in cfg.run_dir.children() if f.name.startswith(RUN_ENDING_PREFIX)]
     assert records and all(r["type"] == "ConfigError" for r in records)
     with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):

@@ -4,14 +4,12 @@ the run without Ray: tests/test_checkpoint_ray.py. What needs no Ray (export, ex
 tests/test_training.py."""
 
 import json
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
-from conftest import REPO, cli_in_process, tiny_config
+from conftest import REPO, cli_in_process, tiny_config, train_ends_in_one_line
 from safetensors.torch import load_file
 
 import raysft
@@ -119,13 +117,8 @@ def test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan
     cfg = tiny_config(tmp_path, **{"train.lr": 1e20, "train.warmup_steps": 0, "train.max_steps": 12,
                                    "checkpoint.every_n_steps": 2, "checkpoint.mode": "full",
                                    "train.max_skipped_steps": 3, "scaling.max_failures": 3})
-    config_file = tmp_path / "diverged.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.to_dict()))
-    done = cli_in_process("train", str(config_file))
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert re.fullmatch(r"raysft: error: TrainingDivergedError: step \d+: 3 steps in a row skipped .* non-finite "
-                        r"loss.*", lines[-1]), lines
+    train_ends_in_one_line(cfg, tmp_path / "diverged.yaml", 1, r"raysft: error: TrainingDivergedError: step \d+: 3 "
+                                                               r"steps in a row skipped .* non-finite loss.*")
     records = read_metrics(cfg.run_dir)
     assert [r["event"] for r in records if r.get("event") in ("start", "resume")] == ["start"]
     assert checkpoint_steps(cfg.run_dir)
