@@ -44,6 +44,7 @@ def run(tmp_path_factory, gloo_pool):
                               full_hf=export(full, root / "hf6"), sharded_hf=export(sharded, root / "hf9"))
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 @pytest.mark.parametrize("source", ["full", "sharded", "full_hf"])
 def test_chat_prompt_answers_like_generate_answer_on_the_exported_model(run, source):
     out = cli_in_process("chat", str(getattr(run, source)), "--prompt", Q1, "--max-new-tokens", TOKENS)
@@ -201,6 +202,7 @@ def test_report_without_metrics_fails_naming_the_file(tmp_path):
         read_curves(tmp_path)
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_report_without_matplotlib_says_how_to_install_it(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "tokens_per_s": 1.0}) + "\n")
     block = "import sys; sys.modules['matplotlib'] = None; from raysft.cli import main; "  # its import now fails

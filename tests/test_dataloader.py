@@ -164,6 +164,7 @@ def test_lazy_reading_gives_the_samples_of_the_whole_table_in_any_order(tmp_path
             ds.input_ids[1000]
 
 
+@pytest.mark.slow  # writes and reads a 13M-token store (seconds on 2 cores): make test-fast leaves it out
 def test_a_dataset_holds_one_integer_per_sample_not_its_tokens(tmp_path):
     """200k samples, 13M tokens (102 MB as int32 ids + labels; about 1 GB as the Python lists it used to hold). What
     the dataset allocates, Python objects (tracemalloc) and Arrow buffers (its memory pool) together, stays near the

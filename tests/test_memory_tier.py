@@ -299,6 +299,7 @@ def test_ranks_sharing_a_node_keep_its_newest_whole_step_while_the_next_is_writt
     assert_same_run(cfg, reference, tmp_path / "hf")
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_snapshots_newer_than_the_stored_step_resumed_from_are_cleared_and_new_ones_written_beside_nothing_stale(
         tmp_path, gloo_pool4, two_a_node, uninterrupted4):
     """No node holds node 1's parts of step 7 (its memory lost, node 0's copies too): the relaunch resumes from

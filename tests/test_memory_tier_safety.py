@@ -79,6 +79,7 @@ def launch_with_a_silent_partner(ctx, cfg, at_step: int) -> dict:
         Transport.exchange = real
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_partner_that_never_answers_turns_the_tier_off_within_its_timeout_and_the_run_goes_on(
         tmp_path, gloo_pool, uninterrupted):
     """Rank 0's copy of step 5 waits for rank 1 at most checkpoint.memory_timeout_s (before, gloo's 30 minutes, and

@@ -25,6 +25,7 @@ from raysft.launch.torchrun import launch
 from raysft.training.metrics import read_metrics
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_run_stopped_and_resumed_across_modes_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,
                                                                                           uninterrupted):
     """Three launches: sharded with async saves to step 4, full to step 8, sharded to the end; each resumes from
@@ -217,6 +218,7 @@ def reference_eval_loss(ckpt: Path, store: Path, out: Path) -> float:
     return total / tokens
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_validation_changes_no_training_float_and_resumes_exactly_and_elastically(tmp_path, gloo_pool, gloo_pool4,
                                                                                  uninterrupted):
     """2 workers to step 6, resumed on 2 to step 9, then on 4 workers to the end, validating every 4 steps and at

@@ -162,6 +162,7 @@ def _launch_with_spikes(ctx, cfg, spikes: set[int]) -> dict:
         raysft.training.sft.micro_batch_loss_sum, Trainer.train_step = real_loss, real_step
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_run_with_the_spike_guard_stopped_and_resumed_equals_the_uninterrupted_one_bit_for_bit(tmp_path, gloo_pool,
                                                                                                   stores):
     """The guard's recent losses and skips in a row go into the checkpoint: resumed at step 9, just after a skipped
