@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_env, cli_in_process, promise, running
+from conftest import REPO, cli_env, cli_in_process, running
 from fault_injection import arm
 
 from raysft.checkpoint import MANIFEST_FILE
@@ -93,11 +93,9 @@ def raysft_lines(terminal: str) -> list[str]:
     return [line for line in lines if line.startswith(("raysft: ", "step "))]
 
 
-def start_train(tmp_path: Path, name: str, env: dict, storage: Path, terminal: str = "", **over) -> subprocess.Popen:
-    """`raysft train` in a process group of its own (as a terminal's foreground job), its terminal in files
-    (`terminal`.out and .err; the run's name by default)."""
-    terminal = terminal or name
-    with open(tmp_path / f"{terminal}.out", "w") as out, open(tmp_path / f"{terminal}.err", "w") as err:
+def start_train(tmp_path: Path, name: str, env: dict, storage: Path, **over) -> subprocess.Popen:
+    """`raysft train` in a process group of its own (as a terminal's foreground job), its terminal in files."""
+    with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
         return subprocess.Popen([sys.executable, "-m", "raysft", "train", *sets(storage, name, **over)], env=env,
                                 cwd=REPO, stdout=out, stderr=err, start_new_session=True)
 
@@ -106,6 +104,44 @@ def local_ray_gone(out: str) -> list[int]:
     """The processes of the local Ray whose logs the launch printed, once they have had a minute to end."""
     temp = re.search(r"its logs: (\S+)", out).group(1).split("/ray/session_latest")[0]
     return wait_gone(f"RAY_TMPDIR={temp}")
+
+
+def test_signals_to_two_local_runs_beside_each_other(tmp_path):
+    """Run A under a RAY_TMPDIR of over 60 characters, run B beside it, both with the memory tier every step.
+    Ctrl-C to B's process group: B exits 130 at once, without a checkpoint or a traceback. SIGTERM to A's driver: A
+    exits 143 with a checkpoint of the step it was at and says how to resume. Neither leaves a process of its Ray,
+    its lease or a snapshot in memory, and neither terminal shows Ray's lines about the other Ray or its own
+    notices."""
+    long_tmp = tmp_path / "scratch-of-a-cluster-job" / "job-0042-with-a-long-name" / "raytmp"
+    long_tmp.mkdir(parents=True)
+    assert len(str(long_tmp)) >= 60
+    storage = tmp_path / "runs"
+    with cli_env() as env_b:
+        a = start_train(tmp_path, "a", {**env_b, "RAY_TMPDIR": str(long_tmp)}, storage, **tier(tmp_path / "shm-a"))
+        b = start_train(tmp_path, "b", env_b, storage, **{"scaling.num_workers": 1, **tier(tmp_path / "shm-b")})
+        try:
+            wait_for_step(storage / "b", b, 2)
+            os.killpg(b.pid, signal.SIGINT)  # what Ctrl-C on B's terminal sends
+            assert b.wait(timeout=120) == EXIT_SIGINT
+            wait_for_step(storage / "a", a, 2)
+            a.send_signal(signal.SIGTERM)
+            assert a.wait(timeout=120) == EXIT_SIGTERM
+        finally:
+            for p in (a, b):
+                if p.poll() is None:
+                    p.kill()
+    a_out, a_err, b_out, b_err = ((tmp_path / f).read_text() for f in ("a.out", "a.err", "b.out", "b.err"))
+    assert_stopped_with_checkpoint(storage / "a", a_err)
+    assert "raysft: stopped by Ctrl-C; no checkpoint" in b_err and "Traceback" not in b_out + b_err, b_err[-3000:]
+    assert not list((storage / "b").glob("checkpoint_*")) and not (storage / "b" / LEASE_FILE).exists()
+    logs = re.search(r"its logs: (\S+)", a_out).group(1)
+    assert Path(logs).is_dir() and re.search(rf"linked from {re.escape(str(long_tmp))}/raysft-ray-\w+", a_out)
+    assert local_ray_gone(a_out) == [] and local_ray_gone(b_out) == []  # GCS, raylet, workers: all gone
+    assert [p.name for p in [*(tmp_path / "shm-a").rglob("*"), *(tmp_path / "shm-b").rglob("*")]
+            if p.name != ".raysft.lock"] == []  # nor a snapshot (the directory's lock file stays, empty)
+    for terminal in (a_out + a_err, b_out + b_err):
+        assert ray_noise(terminal) == [] and "raysft: run " in terminal
+    assert "step 2/" in "".join(raysft_lines(a_out))  # the workers' lines still reach the terminal
 
 
 # Makes every Python process of a `raysft train` command (the driver, its local Ray's workers) load
@@ -132,89 +168,52 @@ def newest_checkpoint(run_dir: Path) -> int:
     return max(int(p.name.split("_")[1]) for p in run_dir.glob("checkpoint_*") if (p / MANIFEST_FILE).is_file())
 
 
-def test_signals_to_three_local_runs_beside_each_other_then_a_grace_that_expires(tmp_path):
-    """Three `raysft train` commands at once, each with a local Ray of its own: A under a RAY_TMPDIR of over 60
-    characters and B, both with the memory tier every step, and C. Ctrl-C to B's process group; SIGTERM to A's
-    driver; SIGTERM to C's whole process group (the driver, the local Ray it started and the workers at once, as
-    Slurm's scancel or some container runtimes send it). Then A launched again, whose workers cannot checkpoint in
-    time (a step made to take 10 minutes: tests/fault_injection.py's slow_steps), gets SIGTERM with
-    run.stop_grace_s=5. None leaves a process of its Ray, its lease or a snapshot in memory, and no terminal shows
-    Ray's lines about another Ray or its own notices."""
-    long_tmp = tmp_path / "scratch-of-a-cluster-job" / "job-0042-with-a-long-name" / "raytmp"
-    long_tmp.mkdir(parents=True)
-    assert len(str(long_tmp)) >= 60
-    storage = tmp_path / "runs"
-    with cli_env() as env, cli_env() as env_c:
-        env_a, faults = with_faults({**env, "RAY_TMPDIR": str(long_tmp)}, tmp_path)
-        a = start_train(tmp_path, "a", env_a, storage, **tier(tmp_path / "shm-a"))
-        b = start_train(tmp_path, "b", env, storage, **{"scaling.num_workers": 1, **tier(tmp_path / "shm-b")})
-        c = start_train(tmp_path, "c", env_c, storage, **{"scaling.num_workers": 1, "checkpoint.every_n_steps": 2})
-        launches = [a, b, c]
+def test_sigterm_to_the_whole_job_then_a_grace_that_expires_end_in_time_and_leave_nothing(tmp_path):
+    """First launch: SIGTERM to its whole process group, the driver, the local Ray it started and the workers at
+    once (as Slurm's scancel or some container runtimes send it). Ray's processes end on it, so no worker can
+    checkpoint: the driver exits 143 well within run.stop_grace_s, says why there is no checkpoint and how to
+    resume, and leaves no process or lease. The relaunch resumes from the newest checkpoint taken before. Its
+    workers then cannot checkpoint in time (a step made to take 10 minutes: tests/fault_injection.py's
+    slow_steps), and SIGTERM to its driver with run.stop_grace_s=5 ends it with 143 once the grace has passed,
+    saying so, and leaving no process or lease."""
+    storage, run_dir = tmp_path / "runs", tmp_path / "runs" / "c"
+    with cli_env() as env:
+        env, faults = with_faults(env, tmp_path)
+        launch = start_train(tmp_path, "c", env, storage, **{"scaling.num_workers": 1, "checkpoint.every_n_steps": 2})
         try:
-            wait_for_step(storage / "b", b, 2)
-            os.killpg(b.pid, signal.SIGINT)  # what Ctrl-C on B's terminal sends
-            assert b.wait(timeout=300) == EXIT_SIGINT
-            wait_for_step(storage / "c", c, 3)
-            os.killpg(c.pid, signal.SIGTERM)
-            assert c.wait(timeout=300) == EXIT_SIGTERM
-            wait_for_step(storage / "a", a, 2)
-            a.send_signal(signal.SIGTERM)
-            assert a.wait(timeout=300) == EXIT_SIGTERM
-            stopped_at = assert_stopped_with_checkpoint(storage / "a", (tmp_path / "a.err").read_text())
+            wait_for_step(run_dir, launch, 3)
+            os.killpg(launch.pid, signal.SIGTERM)
+            assert launch.wait(timeout=300) == EXIT_SIGTERM
+            whole_job = [(tmp_path / f).read_text() for f in ("c.out", "c.err")]
+            before = newest_checkpoint(run_dir)  # taken before the signal: none is taken at it
 
-            again = start_train(tmp_path, "a", env_a, storage, terminal="a-again",
-                                **{"run.stop_grace_s": 5, **tier(tmp_path / "shm-a")})
-            launches.append(again)
-            wait_for(lambda: trained_since_resume(storage / "a"), again, "a step after the resume")
+            launch = start_train(tmp_path, "c", env, storage, **{"scaling.num_workers": 1,
+                                                                 "checkpoint.every_n_steps": 2, "run.stop_grace_s": 5})
+            wait_for(lambda: trained_since_resume(run_dir), launch, "a step after the resume")
             arm(faults, "slow_steps", seconds=600)
-            wait_for(lambda: (faults / "slowed").exists(), again, "a slowed step")
+            wait_for(lambda: (faults / "slowed").exists(), launch, "a slowed step")
             sent = time.monotonic()
-            again.send_signal(signal.SIGTERM)
-            assert again.wait(timeout=300) == EXIT_SIGTERM
+            launch.send_signal(signal.SIGTERM)
+            assert launch.wait(timeout=300) == EXIT_SIGTERM
             grace_took = time.monotonic() - sent
+            grace = [(tmp_path / f).read_text() for f in ("c.out", "c.err")]
         finally:
-            for p in launches:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-    out = {name: ((tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text())
-           for name in ("a", "b", "c", "a-again")}
-
-    with promise("Ctrl-C stops at once, without a checkpoint or a traceback"):
-        b_out, b_err = out["b"]
-        assert "raysft: stopped by Ctrl-C; no checkpoint" in b_err and "Traceback" not in b_out + b_err, b_err[-3000:]
-        assert not list((storage / "b").glob("checkpoint_*")) and not (storage / "b" / LEASE_FILE).exists()
-
-    with promise("SIGTERM to the driver checkpoints the step the workers are at, and the relaunch resumes there"):
-        logs = re.search(r"its logs: (\S+)", out["a"][0]).group(1)
-        assert Path(logs).is_dir() and re.search(rf"linked from {re.escape(str(long_tmp))}/raysft-ray-\w+", out["a"][0])
-        assert "step 2/" in "".join(raysft_lines(out["a"][0]))  # the workers' lines still reach the terminal
-        assert [m["step"] for m in read_metrics(storage / "a") if m.get("event") == "resume"] == [stopped_at]
-
-    with promise("SIGTERM to the whole job ends on Ray's end, says no checkpoint was taken and why"):
-        c_err = out["c"][1]
-        # Which of the driver's two threads met Ray's end first is a race: the stop request (refused or timed out),
-        # or Ray Train's `fit` (its worker actor gone). Either way the driver says no checkpoint was taken, and why.
-        assert any(f"raysft: stopped by SIGTERM ({why}" in c_err for why in (
-            "the workers could not be asked to checkpoint: Ray did not take the request",
-            "the run failed after the signal: ")) and "no checkpoint was taken" in c_err, c_err[-3000:]
-        assert not [m for m in read_metrics(storage / "c") if m.get("event") == "stopped"]
-        assert newest_checkpoint(storage / "c") % 2 == 0  # the periodic ones only: none was taken at the signal
-
-    with promise("SIGTERM whose checkpoint cannot come in time ends the run once the grace has passed"):
-        assert grace_took >= 5, grace_took  # the grace was kept to, not cut short
-        assert "raysft: stopped by SIGTERM (the workers did not checkpoint within run.stop_grace_s=5); no " \
-               "checkpoint was taken at the stop" in out["a-again"][1], out["a-again"][1][-3000:]
-
-    with promise("every launch says how to resume and leaves no process, lease or snapshot behind"):
-        for name, (stdout, stderr) in out.items():
-            assert local_ray_gone(stdout) == [], name  # GCS, raylet, workers: all gone
-            assert ray_noise(stdout + stderr) == [] and "raysft: run " in stdout + stderr, name
-            if name != "b":
-                assert "run the same command again" in stderr and "Traceback" not in stdout + stderr, stderr[-3000:]
-        for run in ("a", "b", "c"):
-            assert not (storage / run / LEASE_FILE).exists(), run
-        assert [p.name for p in [*(tmp_path / "shm-a").rglob("*"), *(tmp_path / "shm-b").rglob("*")]
-                if p.name != ".raysft.lock"] == []  # nor a snapshot (the directory's lock file stays, empty)
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+    # The driver ended on Ray's end, not on the grace of 60 s. Which of its two threads met that end first is a race:
+    # the stop request (refused or timed out), or Ray Train's `fit` (its worker actor gone). Either way the driver
+    # says no checkpoint was taken, and why.
+    assert any(f"raysft: stopped by SIGTERM ({why}" in whole_job[1] for why in (
+        "the workers could not be asked to checkpoint: Ray did not take the request",
+        "the run failed after the signal: ")) and "no checkpoint was taken" in whole_job[1], whole_job[1][-3000:]
+    assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resume"] == [before]
+    assert grace_took >= 5, grace_took  # the grace was kept to, not cut short
+    assert "raysft: stopped by SIGTERM (the workers did not checkpoint within run.stop_grace_s=5); no checkpoint " \
+           "was taken at the stop" in grace[1], grace[1][-3000:]
+    for out, err in (whole_job, grace):
+        assert "run the same command again" in err and "Traceback" not in out + err, err[-3000:]
+        assert local_ray_gone(out) == []
+    assert not (run_dir / LEASE_FILE).exists()
 
 
 def wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 420) -> None:
