@@ -13,7 +13,7 @@ import test_strategies
 import torch
 import torch.distributed as dist
 import yaml
-from conftest import REPO, run_workers, running, tiny_config
+from conftest import REPO, assert_close_but_for_rare_elements, run_workers, running, tiny_config
 from safetensors.torch import load_file, save_file
 from test_faults_cluster import (
     config,
@@ -145,8 +145,9 @@ def test_hybrid_shard_on_two_nodes_replicates_across_and_shards_within_them(netn
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     weights = load_file(tmp_path / "weights.safetensors")
     assert weights.keys() == ref_weights.keys()
-    for key, value in weights.items():
-        torch.testing.assert_close(value, ref_weights[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+    for key, value in weights.items():  # as tests/test_strategies.py holds every layout to the same reference
+        assert_close_but_for_rare_elements(value, ref_weights[key], rtol=1e-4, atol=1e-5,
+                                           bound=cfg.train.max_steps * cfg.train.lr, what=key)
 
 
 def test_a_node_killed_and_a_link_cut_resume_from_the_memory_tier_on_a_replacement(
