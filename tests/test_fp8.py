@@ -186,6 +186,7 @@ def test_the_conversion_swaps_those_modules_for_float8_linear_keeping_names_shap
     assert result["state"] == plain
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_the_converted_sharded_model_holds_the_plain_models_weights_under_its_names(gloo_pool, torchao_pool):
     plain, converted = gloo_pool.run(_parallelized, False, True)[0], torchao_pool.run(_parallelized, True, False)
     for rank in converted:  # converted before fully_shard: FSDP shards torchao's weight subclass

@@ -91,6 +91,7 @@ def test_two_ranks_read_their_slices_bit_identical_to_from_pretrained(pretrained
     _check_bit_identical(results, _reference(pretrained))
 
 
+@pytest.mark.slow  # starts four processes of torch and trains on them: make test-fast leaves it out
 def test_four_ranks_hybrid_and_full_shard_bf16_and_lora_base_bit_identical(pretrained, gloo_pool4):
     reference = _reference(pretrained)
     for sharding, mp in [("HYBRID_SHARD", "fp32"), ("FULL_SHARD", "bf16")]:

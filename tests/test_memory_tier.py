@@ -163,6 +163,7 @@ def test_a_dead_worker_on_a_lost_node_resumes_from_the_copy_on_the_other_node_lo
     assert not (Path(cfg.checkpoint.memory_dir) / read_run_id(cfg.run_dir)).exists()
 
 
+@pytest.mark.slow  # continues a run whose worker was killed (a fault, a pool restart): not in make test-fast
 def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_log_says_why(
         tmp_path, gloo_pool, uninterrupted, faulted):
     cfg = continue_copy(faulted, tmp_path)
@@ -183,6 +184,7 @@ def test_with_both_copies_of_a_part_lost_the_stored_checkpoint_is_used_and_the_l
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+@pytest.mark.slow  # continues a run whose worker was killed (a fault, a pool restart): not in make test-fast
 def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots_and_reclaims_them(tmp_path, gloo_pool,
                                                                                         faulted):
     """--fresh sets the whole run aside: its directory is kept under another name, and its snapshots in node memory
@@ -197,6 +199,7 @@ def test_a_run_started_over_never_resumes_from_the_old_runs_snapshots_and_reclai
     assert [p.name for p in Path(cfg.checkpoint.memory_dir).iterdir()] == [".raysft.lock"]
 
 
+@pytest.mark.slow  # continues a run whose worker was killed (a fault, a pool restart): not in make test-fast
 def test_a_part_of_another_run_under_this_runs_name_is_never_used(tmp_path, gloo_pool, uninterrupted, faulted):
     """The run id in a part's header is checked, not only the directory it lies in: the faulted run's snapshots
     moved under a new id (as if written there by another run) are named as another run's and not resumed from."""
@@ -213,6 +216,7 @@ def test_a_part_of_another_run_under_this_runs_name_is_never_used(tmp_path, gloo
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+@pytest.mark.slow  # continues a run whose worker was killed (a fault, a pool restart): not in make test-fast
 def test_with_every_nodes_snapshots_gone_the_stored_checkpoint_is_used_and_the_log_says_why(
         tmp_path, gloo_pool, uninterrupted, faulted):
     """The memory that held the snapshots is gone on every node (the nodes rebooted, /dev/shm cleared)."""
@@ -225,6 +229,7 @@ def test_with_every_nodes_snapshots_gone_the_stored_checkpoint_is_used_and_the_l
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+@pytest.mark.slow  # continues a run whose worker was killed (a fault, a pool restart): not in make test-fast
 def test_with_no_room_for_a_part_sent_at_the_resume_the_stored_checkpoint_is_used_and_the_log_says_why(
         tmp_path, gloo_pool, uninterrupted, faulted):
     cfg = continue_copy(faulted, tmp_path)
