@@ -517,6 +517,7 @@ def test_a_prepare_killed_mid_build_leaves_a_directory_the_next_prepare_removes(
     assert sorted(p.name for p in store.iterdir()) == sorted([built.path.name, "building", *(d.name for d in theirs)])
 
 
+@pytest.mark.slow  # two tokenizing processes at once (seconds on 2 cores): make test-fast leaves it out
 def test_two_prepares_of_one_store_at_once_never_remove_each_others_build(tmp_path, tok):
     data, store = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 3), tmp_path / "store"
     child = build_in_a_child(data, store, "waits")

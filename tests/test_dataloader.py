@@ -134,6 +134,7 @@ def synthetic_store(store, lengths, files: int = 1, seed: int = 0):
     return table
 
 
+@pytest.mark.slow  # reads a whole table in many orders (seconds on 2 cores): make test-fast leaves it out
 def test_lazy_reading_gives_the_samples_of_the_whole_table_in_any_order(tmp_path, monkeypatch):
     import raysft.data.store
     from raysft.data.dataloader import TokenizedDataset, collate

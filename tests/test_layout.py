@@ -68,6 +68,7 @@ def _groups(ctx, sharding: str, n: int) -> dict:
             "sequence": None if group is None else dist.get_process_group_ranks(group)}
 
 
+@pytest.mark.slow  # starts four processes of torch: make test-fast leaves it out
 def test_the_mesh_and_the_sequence_groups_it_builds(gloo_pool4):
     four = gloo_pool4.run(_groups, "FULL_SHARD", 2)
     assert [r["mesh"] for r in four] == [((4,), ("shard",))] * 4

@@ -208,6 +208,7 @@ def test_lora_trains_alike_in_every_strategy_with_checkpointing_mixed_precision_
         torch.testing.assert_close([m["loss"] for m in rows], ref_losses, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_lora_resumes_on_another_worker_count_and_strategy(tmp_path, gloo_pool4, gloo_pool, reference):
     """4 workers, HYBRID_SHARD, sharded checkpoint → 2 workers, FULL_SHARD, full checkpoint: the same samples and
     steps as the uninterrupted 2-worker run (only the reduction order differs)."""

@@ -78,6 +78,7 @@ def launch_stopped_by_rank1(ctx, cfg, after_checks: int) -> dict:
         checkpointer_module.NOTICE_CHECK_S = every_s
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_a_stop_request_on_one_rank_stops_every_rank_at_one_checkpointed_step(tmp_path, gloo_pool, uninterrupted):
     """The stop request of SIGTERM (raysft.launch.signals) on rank 1 only: both ranks checkpoint the same step, say
     so and return; the relaunch goes on from that checkpoint to the uninterrupted run's losses and weights, bit for
@@ -245,6 +246,7 @@ def test_validation_changes_no_training_float_and_resumes_exactly_and_elasticall
                                                          rel=1e-4)
 
 
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_export_picks_the_best_latest_or_a_step_of_a_run(tmp_path, gloo_pool):
     """keep_best=1 without Ray: what survives is the best by recorded eval loss and the latest; `raysft export RUN
     --checkpoint best` exports the best, `--checkpoint latest` the latest."""
