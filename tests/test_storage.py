@@ -300,7 +300,7 @@ def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downlo
         assert 0.9 * own < seen["bytes_read"] < 1.1 * own < 0.6 * total, (rank, seen["bytes_read"], sizes)
 
 
-def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix):
+def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix, ray_cluster):
     """HYBRID_SHARD without parallel.hsdp_shard_size on one host (one Ray node, or logical nodes sharing its IP):
     the workers refuse the layout, naming the fix; each leaves the error in raysft_error.<rank>.json on s3://, and
     the driver raises it instead of Ray retrying: `raysft train` prints it as its one line."""
