@@ -215,7 +215,7 @@ def promise(name: str):
     so that the failure still says which promise broke."""
     try:
         yield
-    except AssertionError as e:
+    except (AssertionError, pytest.fail.Exception) as e:  # an assert, or pytest.raises that saw nothing raised
         raise AssertionError(f"broken promise: {name}: {e}") from e
 
 
