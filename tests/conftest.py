@@ -44,36 +44,19 @@ def pytest_runtest_logstart(nodeid, location):
     if not path or (_probe_file and _probe_file[-1] == name):
         return
     _probe_file.append(name)
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    swap_kib = int(meminfo["SwapTotal"].split()[0]) - int(meminfo["SwapFree"].split()[0])
+    import psutil
+
     left: dict[str, int] = {}
-    for pid in _descendants(os.getpid()):
+    for child in psutil.Process().children(recursive=True):
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
+            label = " ".join(a.rsplit("/", 1)[-1] for a in child.cmdline()[:3] if a)[:60]
+        except psutil.Error:
             continue
-        label = " ".join(a.decode(errors="replace").rsplit("/", 1)[-1] for a in argv[:3] if a)[:60]
         left[label] = left.get(label, 0) + 1
     record = {"file": name, "time": round(time.time(), 1), "load1": round(os.getloadavg()[0], 2),
-              "swap_mib": swap_kib // 1024, "left": left}
+              "swap_mib": psutil.swap_memory().used // 2**20, "left": left}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 # Session fixtures that hold processes (a Ray head, the namespace cluster, the gloo pools): each is stopped right after
@@ -108,7 +91,7 @@ def _cluster_group(item, on_head: set) -> int:
         return 3
     if not item.get_closest_marker("slow"):
         return 0
-    return 2 if "ray_head" in fixtures or item.path in on_head else 1
+    return 2 if item.path in on_head else 1
 
 
 @pytest.hookimpl(wrapper=True)
@@ -481,10 +464,6 @@ def faulted(gloo_pool, tmp_path_factory):
     """The memory tier's tests' fault (tests/memory_tier_support.py): a run with a snapshot every step, each rank on
     a node of its own, whose rank 1 died after step 8, its run directory and snapshots as the fault left them; each
     test continues a copy of it (one fault, and one restart of the pool's processes, for all)."""
-    from memory_tier_support import FAULT_AT, launch_on_own_node, memory_config
+    from memory_tier_support import faulted_run
 
-    tmp = tmp_path_factory.mktemp("faulted")
-    cfg = memory_config(tmp, "faulted")
-    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
-        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
-    return cfg
+    return faulted_run(gloo_pool, tmp_path_factory.mktemp("faulted"))

@@ -11,6 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import run_config, step_losses
 from safetensors import safe_open
@@ -61,6 +62,15 @@ def launch_on_own_node(ctx, cfg, fresh: bool = False, die_after: int = 0) -> dic
 # where each function of the tier a test replaces is looked up
 TIER_FUNCTIONS = {"write_part": "raysft.checkpoint.memory.tier", "map_new": "raysft.checkpoint.memory.transport",
                   "write_bytes": "raysft.checkpoint.memory.files"}
+
+
+def faulted_run(pool, tmp_path: Path, **sets):
+    """A run with a snapshot every step, each rank on a node of its own, whose rank 1 died after step FAULT_AT: its
+    config, its run directory and snapshots as the fault left them (the pool's processes started anew)."""
+    cfg = memory_config(tmp_path, "faulted", **sets)
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        pool.run(launch_on_own_node, cfg, False, FAULT_AT)
+    return cfg
 
 
 @contextlib.contextmanager

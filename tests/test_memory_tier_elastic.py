@@ -12,8 +12,8 @@ from memory_tier_support import (
     FAULT_AT,
     assert_same_run,
     continue_copy,
+    faulted_run,
     launch_on_nodes,
-    launch_on_own_node,
     launch_two_a_node,
     memory_config,
     node_dir,
@@ -58,10 +58,7 @@ def uneven(gloo_pool, tmp_path_factory):
     """conftest's `faulted` on the UNEVEN model: 2 ranks, each on a node of its own, rank 1 dead after step 8."""
     tmp = tmp_path_factory.mktemp("uneven")
     sets = {"model.config": model_file(tmp / "model", **UNEVEN)}
-    cfg = memory_config(tmp, "faulted", **sets)
-    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
-        gloo_pool.run(launch_on_own_node, cfg, False, FAULT_AT)
-    return cfg, sets
+    return faulted_run(gloo_pool, tmp, **sets), sets
 
 
 @pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
