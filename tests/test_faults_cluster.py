@@ -287,8 +287,9 @@ def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_p
     assert saved[:2] == [notice["step"], last["step"]] and 0 < last["seconds_left"] < notice["seconds_left"] <= 8
     row = recovery(cfg.run_dir, fault_time, "node preempted (announced)",
                    "ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 8")
-    assert row["resumed_from"] == last["step"]  # not step 0: checkpoint.every_n_steps is 100
-    assert row["steps_lost"] <= 2
+    # not step 0 (checkpoint.every_n_steps is 100); the steps run after it depend on this machine's clock, and
+    # when the last chance comes is checked on a fake one in test_trainer_modes
+    assert row["resumed_from"] == last["step"] <= row["last_step_before"]
     assert_same_run(cfg, result, ref)
 
 

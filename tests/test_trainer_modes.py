@@ -113,36 +113,47 @@ def test_token_budget_and_varlen_config_errors(tmp_path, sets, key):
         tiny_config(tmp_path, **sets)
 
 
-def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agrees_on(tmp_path, monkeypatch):
-    """Steps of 0.25 s: Ray is asked at step 1, then every 4 steps (rank 0's measure, all-reduced), and a notice
-    is acted on at the step it is heard; a stop request raised at step 10 is acted on at the next check, step 13.
-    The Checkpointer alone decides: each step's Due joins these to the cadence (every 5 steps and the last)."""
-    import time
+def preemption_decisions(tmp_path, monkeypatch, deadline_at, stop_from: int = 10**9, steps: int = 14,
+                         step_s: float = 0.25) -> tuple[list, list[int]]:
+    """The Checkpointer's Due at each of `steps` steps of `step_s` seconds on a fake clock (rank 0 of 1, saves
+    taking no time), with Ray announcing the deadline `deadline_at(step, now)` (None: no notice) and a stop
+    requested from step `stop_from`; and the steps at which Ray was asked."""
     from types import SimpleNamespace
 
     import raysft.checkpoint.checkpointer
-    from raysft.checkpoint.checkpointer import NOTICE_CHECK_S, Checkpointer
+    from raysft.checkpoint.checkpointer import Checkpointer
 
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(raysft.checkpoint.checkpointer, "time",
-                        SimpleNamespace(perf_counter=lambda: clock.now, time=time.time))
+                        SimpleNamespace(perf_counter=lambda: clock.now, time=lambda: clock.now))
     asked, step = [], 0
     checkpointer = Checkpointer.__new__(Checkpointer)  # only the preemption state: no model or data
     checkpointer.rank, checkpointer.device = 0, torch.device("cpu")
     checkpointer.cfg = SimpleNamespace(every_n_steps=5)
     checkpointer.log = SimpleNamespace(event=lambda *a, **k: None)
-    checkpointer.preemption_deadline = lambda: asked.append(step) or (time.time() + 600 if step >= 9 else None)
+    checkpointer.preemption_deadline = lambda: asked.append(step) or deadline_at(step, clock.now)
     checkpointer.deadline, checkpointer.last_chance_taken, checkpointer.save_s = None, False, 0.0
-    checkpointer.stop_requested = lambda: step >= 10
+    checkpointer.stop_requested = lambda: step >= stop_from
     checkpointer.next_notice_check, checkpointer.checked_at = 0, (0, 0.0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         decisions = []
-        for step in range(1, 15):
-            clock.now = 0.25 * step
-            decisions.append(checkpointer.due(step, 14, 0.25))
+        for step in range(1, steps + 1):
+            clock.now = step_s * step
+            decisions.append(checkpointer.due(step, steps, step_s))
     finally:
         dist.destroy_process_group()
+    return decisions, asked
+
+
+def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agrees_on(tmp_path, monkeypatch):
+    """Steps of 0.25 s: Ray is asked at step 1, then every 4 steps (rank 0's measure, all-reduced), and a notice
+    is acted on at the step it is heard; a stop request raised at step 10 is acted on at the next check, step 13.
+    The Checkpointer alone decides: each step's Due joins these to the cadence (every 5 steps and the last)."""
+    from raysft.checkpoint.checkpointer import NOTICE_CHECK_S
+
+    decisions, asked = preemption_decisions(tmp_path, monkeypatch, lambda step, now: now + 600 if step >= 9 else None,
+                                            stop_from=10)
     due, stops = [d.preempted for d in decisions], [d.stop for d in decisions]
     assert [d.scheduled for d in decisions] == [step % 5 == 0 or step == 14 for step in range(1, 15)]
     assert [step for step, d in enumerate(decisions, 1) if d.save] == [5, 9, 10, 13, 14]
@@ -151,3 +162,13 @@ def test_ray_is_asked_for_preemption_about_once_a_second_at_steps_every_rank_agr
     assert asked == [1, 1 + every, 1 + 2 * every] == [1, 5, 9]  # not asked again once a notice came
     assert due == [step == 9 for step in range(1, 15)]  # the notice: checkpoint now
     assert stops == [step == 13 for step in range(1, 15)]
+
+
+def test_a_preemption_deadline_gets_one_last_checkpoint_once_it_is_nearer_than_two_steps_and_a_save(tmp_path,
+                                                                                                   monkeypatch):
+    """A notice at step 9 (t 2.25 s) of a node drained at t 3.25 s: checkpoint at once, then once more at the
+    first step after which two more steps (0.5 s) would reach the deadline, step 11 (t 2.75 s), and no more.
+    The faulted cluster's run checks the same on a real drain; there the steps it loses depend on its clock."""
+    decisions, _ = preemption_decisions(tmp_path, monkeypatch, lambda step, now: 3.25 if step >= 9 else None)
+    assert [step for step, d in enumerate(decisions, 1) if d.preempted] == [9, 11]
+    assert [step for step, d in enumerate(decisions, 1) if d.urgent] == [9, 11]
