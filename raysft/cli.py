@@ -1,7 +1,8 @@
 """`raysft` command line: a thin layer over the Python API (raysft.train, export, chat, report, plan).
 
-Only `train` needs Ray: it reaches raysft.launch.ray_driver through `raysft.train`, which imports Ray on first use, so
-that `export`, `chat`, `report`, `plan` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
+Each command imports what it needs when it runs: `--help`, a config error and `raysft report` come without torch and
+transformers (seconds of imports), and only `train` needs Ray (through `raysft.train`), so that `export`, `chat`,
+`report`, `plan` and `prepare` run where Ray is not installed (an inference box, a laptop)."""
 
 from __future__ import annotations
 
@@ -15,30 +16,13 @@ import sys
 from collections.abc import Callable
 from typing import get_args
 
-import transformers
-
-import raysft
-from raysft.checkpoint import CHECKPOINT_PREFIX
-from raysft.checkpoint.retention import select_checkpoint
 from raysft.config import SCORERS, ConfigError, Precision, TrainConfig, best_mode, load_config
-from raysft.data import read_store_manifest, store_files
-from raysft.data.tokenizer import load_tokenizer
 from raysft.distributed.layout import ParallelDims, check_hsdp_shard_size_fits_nodes, node_sizes, spread_evenly
-from raysft.evals.runner import evaluate_model, summary
 from raysft.launch.paths import resolve_paths
-from raysft.launch.prelaunch import check_architecture
 from raysft.launch.signals import EXIT_SIGINT, Stopped, exit_process, stop_message
-from raysft.products.chat_model import DEFAULT_MAX_NEW_TOKENS, ChatModel
-from raysft.products.directories import is_checkpoint
-from raysft.products.export import DEFAULT_SHARD_BYTES, check_export_target, export
 from raysft.storage import location
-from raysft.tools.architectures import KNOWN, initial_weights_fallback, plan_architecture
-from raysft.tools.chat import Conversation, generate_answer, repl
-from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
-from raysft.tools.report import draw, read_curves
-from raysft.training.gen_log import gen_scores, score_line
-from raysft.training.metrics import METRICS_FILE, ProgressBar
-from raysft.training.objective import objective_for
+from raysft.tools.known import KNOWN
+from raysft.training import METRICS_FILE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,13 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("--merge", action="store_true",
                           help="LoRA checkpoint: a full model with the adapters merged in (default: a peft adapter "
                                "directory)")
-    p_export.add_argument("--max-shard-mb", type=int, default=DEFAULT_SHARD_BYTES // 2**20,
-                          help="largest safetensors shard; more weights than this are split with an index")
+    p_export.add_argument("--max-shard-mb", type=int,
+                          help="largest safetensors shard; more weights than this are split with an index "
+                               "(default: 5120, as transformers' save_pretrained)")
     p_chat = sub.add_parser("chat", help="talk to an exported model or a checkpoint, with its training chat template")
     p_chat.add_argument("model_dir", help="HF model directory, or a raysft checkpoint (<run>/checkpoint_<step>)")
     p_chat.add_argument("--prompt", help="print the answer to PROMPT and exit (default: a REPL on stdin)")
     p_chat.add_argument("--system", help="system message opening the conversation")
-    p_chat.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p_chat.add_argument("--max-new-tokens", type=int, help="the longest answer, in tokens (default: 128)")
     p_plan = sub.add_parser("plan", help="print the memory a run needs per worker and per host, and whether it fits "
                                          "(starts nothing)")
     p_plan.add_argument("--host-mem-gib", type=_positive(float), help="host memory of one node, for the memory tier's "
@@ -127,16 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt needs --export DIR")
     if args.command == "train" and args.force and not args.export:
         parser.error("--force needs --export DIR")
-    if args.command == "export" and args.max_shard_mb <= 0:
+    if args.command == "export" and args.max_shard_mb is not None and args.max_shard_mb <= 0:
         parser.error(f"--max-shard-mb must be at least 1, got {args.max_shard_mb}")
 
     try:
         if args.command == "export":
-            ckpt = select_checkpoint(args.checkpoint_dir, args.checkpoint)
-            out = export(ckpt, args.out_dir, overwrite=args.force, max_shard_bytes=args.max_shard_mb * 2**20,
-                         dtype=args.dtype, merge=args.merge)
-            print(f"raysft: exported {ckpt} to {out}")
-            return 0
+            return _export(args)
         if args.command == "chat":
             return _chat(args.model_dir, args.prompt, args.system, args.max_new_tokens)
         if args.command == "report":
@@ -178,7 +159,23 @@ def _end_stopped(code: int) -> None:
     exit_process(code)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from raysft.checkpoint.retention import select_checkpoint
+    from raysft.products.export import DEFAULT_SHARD_BYTES, export
+
+    ckpt = select_checkpoint(args.checkpoint_dir, args.checkpoint)
+    shard_bytes = DEFAULT_SHARD_BYTES if args.max_shard_mb is None else args.max_shard_mb * 2**20
+    out = export(ckpt, args.out_dir, overwrite=args.force, max_shard_bytes=shard_bytes, dtype=args.dtype,
+                 merge=args.merge)
+    print(f"raysft: exported {ckpt} to {out}")
+    return 0
+
+
 def _prepare(config: TrainConfig) -> int:
+    from raysft.data import read_store_manifest, store_files
+    from raysft.data.tokenizer import load_tokenizer
+    from raysft.training.objective import objective_for
+
     store = objective_for(config).prepare_store(load_tokenizer(config.model, config.data.chat_template))
     counts = read_store_manifest(store.path)["counts"]
     print(f"raysft: data store {store.path} ({'reused' if store.reused else 'written'}): {counts}")
@@ -188,6 +185,12 @@ def _prepare(config: TrainConfig) -> int:
 
 
 def _train(config: TrainConfig, fresh: bool, export_dir: str | None, prompt: str | None, force: bool = False) -> int:
+    import raysft
+    from raysft.products.export import check_export_target, export
+    from raysft.tools.chat import generate_answer
+    from raysft.training.gen_log import gen_scores, score_line
+    from raysft.training.metrics import ProgressBar
+
     overwrite = True if force else "export"  # an earlier export of `raysft train --export` is replaced
     if export_dir:
         check_export_target(export_dir, overwrite, location(config.run_dir))  # before training, not after it
@@ -227,6 +230,10 @@ def _plan(config: TrainConfig, model: str | None, nodes: int | None, gpu_mem_gib
     """`raysft plan`: the architecture from --model or the config (no weights, no tokenizer), every check a launch
     makes that needs no files or data (raysft.launch.prelaunch.check_architecture besides load_config's), and the
     cluster in RAY_ADDRESS, if any, probed as `raysft train` probes it before anything waits on it."""
+    from raysft.launch.prelaunch import check_architecture
+    from raysft.tools.architectures import initial_weights_fallback, plan_architecture
+    from raysft.tools.plan import GPU_MEMORY_GB, GiB, Topology, model_shape, plan, render
+
     hf_config, source = plan_architecture(config, model)
     check_architecture(config, hf_config)
     workers = config.scaling.num_workers
@@ -270,9 +277,14 @@ def _cluster_gpus() -> tuple[str | None, int]:
     return (kinds.pop() if len(kinds) == 1 else None), len(nodes)
 
 
-def _chat(model_dir: str, prompt: str | None, system: str | None, max_new_tokens: int) -> int:
+def _chat(model_dir: str, prompt: str | None, system: str | None, max_new_tokens: int | None) -> int:
+    import transformers
+
+    from raysft.products.chat_model import DEFAULT_MAX_NEW_TOKENS, ChatModel
+    from raysft.tools.chat import Conversation, repl
+
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar before the first prompt
-    conversation = Conversation(ChatModel.load(model_dir), system, max_new_tokens)
+    conversation = Conversation(ChatModel.load(model_dir), system, max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     if prompt is not None:
         print(conversation.ask(prompt))
     else:
@@ -282,6 +294,13 @@ def _chat(model_dir: str, prompt: str | None, system: str | None, max_new_tokens
 
 def _eval(args: argparse.Namespace) -> int:
     """`raysft eval`: the run's generation evaluation outside a run (raysft.evals.runner.evaluate_model)."""
+    import transformers
+
+    from raysft.checkpoint import CHECKPOINT_PREFIX
+    from raysft.checkpoint.retention import select_checkpoint
+    from raysft.evals.runner import evaluate_model, summary
+    from raysft.products.directories import is_checkpoint
+
     sets = [f"eval.path={args.eval_set}"]
     for flag, key in (("answer_pattern", "answer_pattern"), ("max_new_tokens", "max_new_tokens"),
                       ("temperature", "temperature"), ("max_samples", "max_samples"), ("engine", "engine")):
@@ -305,6 +324,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(run_dir: str, out: str | None) -> int:
+    from raysft.tools.report import draw, read_curves
+
     curves = read_curves(run_dir)
     png = draw(curves, out or curves.path.parent / "report.png")
     print(f"raysft: report {png}\nraysft: {curves.summary()}")

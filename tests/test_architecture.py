@@ -200,22 +200,26 @@ RAY_FREE = textwrap.dedent("""
     import contextlib, io, json, sys
     from raysft import cli
 
-    for command in ("export", "chat", "report", "prepare"):
+    for command in ("train", "export", "chat", "report", "prepare", "plan", "eval"):
         with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
             cli.main([command, "--help"])
     tmp = sys.argv[1]
-    codes = {
-        "report": cli.main(["report", tmp, "--out", f"{tmp}/report.png"]),
-        "prepare": cli.main(["prepare", "--set", f"data.paths=[{tmp}/chats.jsonl]", "--set", "data.max_seq_len=64",
-                             "--set", f"run.storage_path={tmp}/runs"]),
-    }
-    print(json.dumps({"codes": codes, "ray": sorted(m for m in sys.modules if m.split(".")[0] == "ray")}))
+    with contextlib.redirect_stderr(io.StringIO()):
+        codes = {"config error": cli.main(["train", "--set", "train.max_stepz=3"]),
+                 "report": cli.main(["report", tmp, "--out", f"{tmp}/report.png"])}
+    heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+    codes["prepare"] = cli.main(["prepare", "--set", f"data.paths=[{tmp}/chats.jsonl]", "--set",
+                                 "data.max_seq_len=64", "--set", f"run.storage_path={tmp}/runs"])
+    print(json.dumps({"codes": codes, "ray": sorted(m for m in sys.modules if m.split(".")[0] == "ray"),
+                      "torch or transformers before prepare": heavy}))
 """)
 
 
-def test_commands_without_a_cluster_do_not_import_ray(tmp_path):
+def test_commands_without_a_cluster_do_not_import_ray_and_the_cli_imports_what_its_command_needs(tmp_path):
     """export, chat, report and prepare run where Ray is not installed (an inference box, a laptop): the CLI, each
-    command's help, a real report and a real prepare (tokenizing here) leave Ray out of sys.modules."""
+    command's help, a real report and a real prepare (tokenizing here) leave Ray out of sys.modules. Each command
+    imports what it needs when it runs: every help, a config error and a report come without torch and
+    transformers (seconds of imports before a typo's message)."""
     rows = [{"step": s, "time": 0, "loss": 3 - 0.1 * s, "tokens_per_s": 100.0} for s in range(1, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
@@ -223,7 +227,8 @@ def test_commands_without_a_cluster_do_not_import_ray(tmp_path):
     out = subprocess.run([sys.executable, "-c", RAY_FREE, str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.splitlines()[-1])
-    assert seen == {"codes": {"report": 0, "prepare": 0}, "ray": []}, (seen, out.stderr[-3000:])
+    assert seen == {"codes": {"config error": 2, "report": 0, "prepare": 0}, "ray": [],
+                    "torch or transformers before prepare": []}, (seen, out.stderr[-3000:])
     assert (tmp_path / "report.png").is_file() and list((tmp_path / "runs" / "datasets").glob("*/manifest.json"))
 
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING, Protocol
 
 from raysft.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where a mesh or a group is made: the config's checks run without it
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ParallelSettings(Protocol):
@@ -160,11 +161,15 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Collective: FSDP's mesh (`mesh_dims`): every worker of a replica, sequence groups included, shards the
         parameters and sums its partial gradient in the reduce-scatter."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(device_type, self.mesh_dims, mesh_dim_names=self.mesh_names)
 
     def sequence_group(self) -> dist.ProcessGroup | None:
         """Collective: this worker's sequence group, the layout's innermost dimension (`sequence` consecutive
         ranks); None without sequence parallelism."""
+        import torch.distributed as dist
+
         if self.sequence == 1:
             return None
         n = self.sequence
@@ -257,6 +262,8 @@ def node_sizes(node_ranks: Sequence[Hashable]) -> list[int]:
 
 def gather_nodes(node_rank: int, node: str) -> tuple[list[int], list[str]]:
     """Collective: every worker's node rank and node (what `ParallelDims.from_config` takes), in world-rank order."""
+    import torch.distributed as dist
+
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (node_rank, node))
     return [r for r, _ in everyone], [n for _, n in everyone]

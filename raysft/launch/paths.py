@@ -19,8 +19,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from raysft.config import BUILTIN, ConfigError, TrainConfig, data_sources
-from raysft.data.tokenizer import CHAT_TEMPLATE_NAMES
-from raysft.model.build import PRESETS
 from raysft.storage import is_remote
 
 # Every key whose value may name a file or directory. What a value of them names instead is left as it is: a
@@ -66,10 +64,14 @@ def names_a_path(key: str, value: str, base: Path | None = None) -> bool:
     refused by that name on the driver (raysft.model.build.load_model_config)."""
     if not value or value.startswith(BUILTIN) or is_remote(value):
         return False
-    if key == "model.config":
+    if key == "model.config":  # the names' modules import torch and transformers: here, only where needed
+        from raysft.model.build import PRESETS
+
         return value not in PRESETS and (os.sep in value or value.startswith(("~", ".")) or value.endswith(".json")
                                          or (base or Path.cwd()).joinpath(value).exists())
     if key == "data.chat_template":
+        from raysft.data.tokenizer import CHAT_TEMPLATE_NAMES
+
         return value not in CHAT_TEMPLATE_NAMES
     return True
 

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from raysft.training.metrics import METRICS_FILE
+from raysft.training import METRICS_FILE
 
 
 @dataclass

@@ -14,3 +14,6 @@ Modules, by role:
   metrics      rank 0's per-step metrics.jsonl and progress line
   trackers     TensorBoard, MLflow, W&B beside metrics.jsonl (optional extras)
 """
+
+# rank 0's per-step records in the run directory; here, so that reading them needs no torch
+METRICS_FILE = "metrics.jsonl"

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from raysft.config import TrainConfig
 from raysft.distributed.collectives import any_rank
 from raysft.storage import Location, scratch_file
+from raysft.training import METRICS_FILE
 from raysft.training.trackers import Trackers
 
-METRICS_FILE = "metrics.jsonl"
 # Dense tensor-core peaks per GPU (vendor datasheets, SXM parts), TFLOP/s, by compute dtype; fp32 matmuls do not
 # use TF32 in PyTorch by default, so no fp32 entry.
 PEAK_TFLOPS = {"H200": {"bf16": 989.4, "fp16": 989.4}, "H100": {"bf16": 989.4, "fp16": 989.4},
