@@ -52,9 +52,50 @@ from raysft.training.metrics import MetricsLogger, read_metrics
     ("number", "It is -3 degrees", "-3", 1.0),
     ("number", "version x2", "2", 0.0),  # glued to a word: no number
     ("number", "no number here", "7", 0.0),
+    # what models write: the choice read however it is put, the final number, the decimal point kept
+    ("choice", "The answer is: B", "B", 1.0),
+    ("choice", "**B**", "B", 1.0),
+    ("choice", "B, because the sky scatters blue", "B", 1.0),
+    ("choice", "b", "B", 1.0),
+    ("choice", "Option B", "B", 1.0),
+    ("choice", "Answer: (c)", "C", 1.0),
+    ("number", "The answer is 3 + 4, so 7", "7", 1.0),  # "answer is" opens a sum: the last number after it
+    ("number", "We have 3 and 4 more, so 7", "7", 1.0),
+    ("number", "It is \u22123 degrees", "-3", 1.0),  # a Unicode minus
+    ("number", "1,2,3", "123", 0.0),  # three numbers, not 123
+    ("number", "1,2,3", "3", 1.0),
+    ("number", "$1,000,000", "1000000", 1.0),
+    ("exact_match", "3.5", "35", 0.0),  # the decimal point stays
+    ("exact_match", "3.5.", "3.5", 1.0),
 ])
 def test_scorers_on_edge_cases(scorer, generation, expected, value):
     assert score(generation, expected, [scorer]) == {scorer: value}
+
+
+def test_choice_counts_only_the_letters_the_prompt_offers():
+    """With options on lines of their own, a letter the prompt does not offer is no answer, and a capital standing
+    alone is one (but not the article "A" or the pronoun "I" before a word)."""
+    from raysft.evals.scorers import offered_letters
+
+    prompt = "Which is blue?\nA. grass\nB. the sky\nC. snow\nD. coal"
+    assert offered_letters(prompt) == frozenset("ABCD") and offered_letters("What is 2 + 2?") is None
+    assert score("It is E, I mean C", "C", ["choice"], prompt=prompt) == {"choice": 1.0}
+    assert score("I think B is right", "B", ["choice"], prompt=prompt) == {"choice": 1.0}
+    assert score("A cat would say C", "C", ["choice"], prompt=prompt) == {"choice": 1.0}
+    assert score("The answer is a cat", "A", ["choice"], prompt=prompt) == {"choice": 0.0}
+
+
+def test_each_score_carries_its_standard_error_and_each_sample_its_length_and_whether_the_limit_cut_it():
+    from raysft.evals.engines import Answer
+    from raysft.evals.runner import summary
+    from raysft.evals.scorers import standard_error
+
+    assert standard_error([1.0, 0.0, 1.0, 0.0]) == pytest.approx((1 / 3 / 4) ** 0.5)  # sample sd / sqrt(n)
+    assert standard_error([1.0]) == standard_error([]) == 0.0
+    record = {"metrics": {"gen/exact_match": 0.5}, "stderr": {"gen/exact_match": 0.289}, "cut": 1, "samples": 4,
+              "engine": "hf", "seconds": 2.0}
+    assert summary(record) == "gen/exact_match 0.500 ± 0.289 (4 samples, 1 cut at eval.max_new_tokens, hf, 2.0 s)"
+    assert Answer("x", 3, False).tokens == 3
 
 
 def test_regex_compares_the_patterns_group_or_whole_match_with_the_expected_answer():
@@ -65,6 +106,8 @@ def test_regex_compares_the_patterns_group_or_whole_match_with_the_expected_answ
     assert score("The answer: Rome!", "paris", ["regex"], grouped) == {"regex": 0.0}
     assert score("no colon here Paris", "paris", ["regex"], grouped) == {"regex": 0.0}  # no match
     assert score("it is 12 or 13", "12", ["regex"], whole) == {"regex": 1.0}  # the first match
+    either = re.compile(r"answer: (\w+)|final: (\w+)")  # an alternation: the group that took part in the match
+    assert score("final: Paris", "paris", ["regex"], either) == {"regex": 1.0}
 
 
 @pytest.mark.parametrize(("expected", "scorers", "fragment"), [
@@ -191,17 +234,23 @@ def test_hf_engine_greedy_answers_are_the_answers_of_raysft_chat(tiny_model):
     engine = HfEngine(tiny_model, GenEvalConfig(path="builtin:demo-eval", max_new_tokens=12, batch_size=8))
     lengths = [len(engine.prompt_ids(s)) for s in samples]
     assert max(lengths.count(n) for n in lengths) >= 8  # batches of several prompts, each of one length
-    answers = engine.generate(samples)
+    generated = engine.generate(samples)
+    answers = [a.text for a in generated]
     chat = ChatModel.load(tiny_model)
     assert answers == [chat.reply(s.messages, max_new_tokens=12) for s in samples]
     assert len(set(answers)) > 1 and all(answers)
+    # an answer that reached max_new_tokens without its end is marked cut (this untrained model's: all 12 tokens)
+    assert all(a.cut and a.tokens == 12 for a in generated)
 
     # a stop string ends a generation, cut off; sampling draws the same answers from the same seed
     stop = next(a for a in answers[:16] if len(a) >= 6)[3:5]
-    stopped = HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, stop=[stop])).generate(samples[:16])
+    generated = HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, stop=[stop])).generate(samples[:16])
+    stopped = [a.text for a in generated]
     assert stopped == [cut_at_stop(a, [stop]) for a in answers[:16]] != answers[:16]
-    sampled = [HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, temperature=1.0, seed=seed))
-               .generate(samples[:8]) for seed in (3, 3, 4)]
+    assert [a.cut for a in generated] == [s == a for s, a in zip(stopped, answers[:16], strict=True)]  # a stop: no cut
+    sampled = [[a.text for a in HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, temperature=1.0,
+                                                                   seed=seed)).generate(samples[:8])]
+               for seed in (3, 3, 4)]
     assert sampled[0] == sampled[1] != sampled[2]
     with pytest.raises(EvalTimeout, match="after 0 of"):
         engine.generate(samples, deadline=0.0)

@@ -1,6 +1,7 @@
 """What generates the answers: the seam between the evaluation and an inference engine.
 
-An engine takes the eval samples and returns one generation per sample, in order; it is opened on a Hugging Face
+An engine takes the eval samples and returns one Answer per sample, in order (its text, how many tokens it took,
+whether max_new_tokens cut it); it is opened on a Hugging Face
 model directory (raysft.evals.runner makes one of any checkpoint). Two engines:
 
   hf    batched `generate` of transformers, loaded as `raysft chat` loads a model
@@ -20,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -33,10 +35,20 @@ class EvalTimeout(RuntimeError):
     """The evaluation ran past eval.timeout_s; the message says how far it got."""
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One generation: its text (cut at the first of eval.stop), the tokens generated, and whether it ended because
+    it reached eval.max_new_tokens (cut: its score may say more of the limit than of the model)."""
+
+    text: str
+    tokens: int
+    cut: bool
+
+
 class Engine(Protocol):
     name: str
 
-    def generate(self, samples: Sequence[EvalSample], deadline: float | None = None) -> list[str]:
+    def generate(self, samples: Sequence[EvalSample], deadline: float | None = None) -> list[Answer]:
         """One answer per sample, in order, each cut at the first of eval.stop; EvalTimeout past `deadline`
         (time.monotonic())."""
 
@@ -90,7 +102,7 @@ class HfEngine:
         return ids[0].tolist()
 
     @torch.no_grad()
-    def generate(self, samples: Sequence[EvalSample], deadline: float | None = None) -> list[str]:
+    def generate(self, samples: Sequence[EvalSample], deadline: float | None = None) -> list[Answer]:
         s, tok = self.settings, self.chat.tokenizer
         prompts = [self.prompt_ids(sample) for sample in samples]
         by_length: dict[int, list[int]] = {}
@@ -98,7 +110,7 @@ class HfEngine:
             by_length.setdefault(len(ids), []).append(i)
         batches = [group[j : j + s.batch_size] for group in by_length.values()
                    for j in range(0, len(group), s.batch_size)]
-        answers: list[str] = [""] * len(samples)
+        answers: list[Answer | None] = [None] * len(samples)
         sampling = {"do_sample": True, "temperature": s.temperature, "top_k": 0, "top_p": 1.0} \
             if s.temperature > 0 else {"do_sample": False}
         stops = {"stop_strings": list(s.stop), "tokenizer": tok} if s.stop else {}
@@ -116,7 +128,10 @@ class HfEngine:
                 new = out[row, ids.shape[1]:].tolist()
                 ends = [k for k, token in enumerate(new) if token in self.chat.stop_ids]
                 new = new[: ends[0] + 1] if ends else new  # a finished row is padded after its stop token
-                answers[i] = cut_at_stop(tok.decode(new, skip_special_tokens=True), s.stop)
+                text = tok.decode(new, skip_special_tokens=True)
+                answer = cut_at_stop(text, s.stop)  # cut by the limit: no stop token and no stop string before it
+                answers[i] = Answer(answer, len(new), not ends and len(new) >= s.max_new_tokens
+                                    and answer == text.strip())
         return answers
 
 
@@ -145,14 +160,17 @@ class VllmEngine:
         self.processor = build_processor(
             config,
             preprocess=lambda row: {"index": row["index"], "messages": row["messages"], "sampling_params": sampling},
-            postprocess=lambda row: {"index": row["index"], "answer": row["generated_text"]})
+            postprocess=lambda row: {"index": row["index"], "answer": row["generated_text"],
+                                     "tokens": row["num_generated_tokens"]})
 
-    def generate(self, samples: Sequence[EvalSample], deadline: float | None = None) -> list[str]:
+    def generate(self, samples: Sequence[EvalSample], deadline: float | None = None) -> list[Answer]:
         import ray
 
         rows = [{"index": i, "messages": sample.messages} for i, sample in enumerate(samples)]
         out = self.processor(ray.data.from_items(rows)).take_all()
         if deadline is not None and time.monotonic() > deadline:
             raise EvalTimeout(f"eval.timeout_s={self.settings.timeout_s:g} passed while vLLM generated")
-        answers = {row["index"]: cut_at_stop(row["answer"], self.settings.stop) for row in out}
+        limit = self.settings.max_new_tokens
+        answers = {row["index"]: Answer(cut_at_stop(row["answer"], self.settings.stop), row["tokens"],
+                                        row["tokens"] >= limit) for row in out}
         return [answers[i] for i in range(len(samples))]

@@ -37,7 +37,7 @@ from raysft.checkpoint.gen_record import (
 from raysft.config import GenEvalConfig
 from raysft.evals.engines import EvalTimeout, open_engine, resolve_engine
 from raysft.evals.evalset import EvalSample, eval_set_sha256, read_eval_set
-from raysft.evals.scorers import score
+from raysft.evals.scorers import score, standard_error
 from raysft.products.directories import is_checkpoint
 from raysft.products.export import export
 from raysft.storage import Location, location
@@ -84,17 +84,19 @@ def evaluate(model: str | Path | Location, settings: GenEvalConfig, system_promp
     pattern = re.compile(settings.answer_pattern) if settings.answer_pattern else None
     with model_directory(model, engine) as model_dir:
         answers = open_engine(engine, model_dir, settings).generate(samples, deadline)
-    rows, totals = [], dict.fromkeys(settings.scorers, 0.0)
+    rows, values = [], {name: [] for name in settings.scorers}
     for sample, answer in zip(samples, answers, strict=True):
-        scores = score(answer, sample.expected, settings.scorers, pattern)
+        scores = score(answer.text, sample.expected, settings.scorers, pattern, sample.prompt)
         for name, value in scores.items():
-            totals[name] += value
+            values[name].append(value)
         rows.append({"where": sample.where, **({"id": sample.id} if sample.id is not None else {}),
-                     "prompt": sample.prompt, "generation": answer, "expected": sample.expected, "scores": scores,
-                     "messages": sample.messages})
+                     "prompt": sample.prompt, "generation": answer.text, "expected": sample.expected, "scores": scores,
+                     "tokens": answer.tokens, "cut": answer.cut, "messages": sample.messages})
     if deadline is not None and time.monotonic() > deadline:
         raise EvalTimeout(f"eval.timeout_s={settings.timeout_s:g} passed after all {len(samples)} generations")
-    return {"metrics": {f"{GEN_PREFIX}{name}": total / len(samples) for name, total in totals.items()},
+    return {"metrics": {f"{GEN_PREFIX}{name}": sum(v) / len(v) for name, v in values.items()},
+            "stderr": {f"{GEN_PREFIX}{name}": standard_error(v) for name, v in values.items()},
+            "cut": sum(row["cut"] for row in rows),
             "samples": len(samples), "table": SAMPLES_FILE, "engine": engine, "started": started,
             "finished": time.time(), "seconds": round(time.monotonic() - start, 3),
             "key": evaluation_key(settings, system_prompt, engine)}, rows
@@ -161,6 +163,9 @@ def evaluate_model(model: str | Path | Location, settings: GenEvalConfig, system
 
 
 def summary(record: dict) -> str:
-    """One line: each score, the samples, the time."""
-    scores = ", ".join(f"{k} {v:.3f}" for k, v in record["metrics"].items())
-    return f"{scores} ({record['samples']} samples, {record['engine']}, {record['seconds']:.1f} s)"
+    """One line: each score with its standard error, the samples (and how many max_new_tokens cut), the time."""
+    stderr = record.get("stderr", {})  # a record written before scores carried it
+    scores = ", ".join(f"{k} {v:.3f}" + (f" ± {stderr[k]:.3f}" if k in stderr else "")
+                       for k, v in record["metrics"].items())
+    cut = f", {record['cut']} cut at eval.max_new_tokens" if record.get("cut") else ""
+    return f"{scores} ({record['samples']} samples{cut}, {record['engine']}, {record['seconds']:.1f} s)"
