@@ -128,13 +128,22 @@ def evaluate_checkpoint(ckpt: str | Path | Location, settings: GenEvalConfig, sy
     except Exception as e:
         if not is_checkpoint(ckpt):
             raise
-        kind = "timed_out" if isinstance(e, EvalTimeout) else "failed"
-        write_failure(ckpt, {"step": step, "checkpoint": location(ckpt).name, "kind": kind, "key": key,
-                             "reason": f"{type(e).__name__}: {e}", "finished": time.time()})
+        record_failure(ckpt, settings, system_prompt, engine, f"{type(e).__name__}: {e}",
+                       "timed_out" if isinstance(e, EvalTimeout) else "failed")
         raise
     record = {**record, "step": step, "checkpoint": location(ckpt).name}
     write_result(ckpt, record)
     return record, True
+
+
+def record_failure(ckpt: str | Path | Location, settings: GenEvalConfig, system_prompt: str, engine: str,
+                   reason: str, kind: str = "failed") -> None:
+    """Record that the checkpoint's evaluation failed (`kind` failed or timed_out) and why, in eval/failed.json and
+    the run's copy: the trainer's GenEvalLog makes it one gen_eval_failed event. Also from outside the evaluation's
+    process, when that process died (raysft.launch.ray_controller.validate_checkpoint)."""
+    write_failure(ckpt, {"step": read_trainer_state(ckpt)["step"], "checkpoint": location(ckpt).name, "kind": kind,
+                         "key": evaluation_key(settings, system_prompt, engine), "reason": reason,
+                         "finished": time.time()})
 
 
 def evaluate_model(model: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",

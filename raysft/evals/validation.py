@@ -39,14 +39,18 @@ RAY_GRACE_S = 60.0  # Ray cancels the task this long after eval.timeout_s, shoul
 
 def validation_kwargs(cfg: TrainConfig) -> dict:
     """The validation function's keyword arguments (JSON values, as Ray's ValidationTaskConfig wants them), with the
-    engine settled here, on the driver, for every evaluation of the run."""
-    return {"settings": asdict(cfg.eval), "system_prompt": cfg.data.system_prompt, "engine": resolve_engine(cfg.eval)}
+    engine settled here, on the driver, for every evaluation of the run, and the evaluation task's resources."""
+    return {"settings": asdict(cfg.eval), "system_prompt": cfg.data.system_prompt, "engine": resolve_engine(cfg.eval),
+            "resources": task_resources(cfg)}
+
+
+# Ray's validation task itself only waits on the evaluation's (raysft.launch.ray_controller.validate_checkpoint)
+VALIDATION_TASK_RESOURCES = {"num_cpus": 0, "max_retries": 0}
 
 
 def task_resources(cfg: TrainConfig) -> dict:
-    """The Ray task's resources (Ray's options of a task; max_calls, which would end its process after each, is
-    not one Ray Train's `.options()` takes). With vLLM the task only drives: vLLM's own engine actor holds the
-    GPUs. Not retried: a failure is recorded and the checkpoint stays unranked."""
+    """The evaluation task's resources (Ray's options of a task). With vLLM the task only drives: vLLM's own engine
+    actor holds the GPUs. Not retried: a failure is recorded and the checkpoint stays unranked."""
     gpus = 0 if resolve_engine(cfg.eval) == "vllm" else cfg.eval.num_gpus
     return {"num_cpus": cfg.eval.num_cpus, "num_gpus": gpus, "max_retries": 0}
 

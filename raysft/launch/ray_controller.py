@@ -61,12 +61,47 @@ class StopFlag:
         return self.requested
 
 
-def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", engine: str = "hf") -> dict:
-    """Ray Train's ValidationFn (raysft.evals.validation.validate_checkpoint), imported in the validation task that
-    calls it, not in the controller that holds it."""
+class EvaluationLost(RuntimeError):
+    """The evaluation's process died (the OOM killer, a CUDA abort, its node lost): an ordinary error of the
+    validation task, so that Ray marks the checkpoint's validation failed and training goes on."""
+
+
+def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", engine: str = "hf",
+                        resources: dict | None = None) -> dict:
+    """Ray Train's ValidationFn. Ray's validation task holds no resources and runs this, light: the evaluation
+    (raysft.evals.validation.validate_checkpoint) is a task of its own on `resources` (eval.num_cpus, num_gpus).
+    Ray 2.60's validation manager takes a task's ordinary error as a failed validation, but a system error (the
+    process killed, out of memory, its node lost) ends the whole run as the controller's; from the inner task
+    such a death is an error here, recorded as the evaluation's failure (a gen_eval_failed event naming it) and
+    raised as EvaluationLost. Ray's own cancel of this task (its timeout, the run's abort) cancels the inner one."""
+    evaluate = ray.remote(_evaluate).options(name=f"raysft gen_eval {Path(checkpoint.path).name}",
+                                              **(resources or {}))
+    try:
+        return ray.get(evaluate.remote(checkpoint, settings, system_prompt, engine))
+    except ray.exceptions.RayTaskError:
+        raise  # the evaluation raised, and recorded why (raysft.evals.runner.evaluate_checkpoint)
+    except ray.exceptions.TaskCancelledError:
+        raise
+    except ray.exceptions.RayError as e:
+        reason = f"the evaluation's process was lost ({type(e).__name__}): {str(e).splitlines()[0]}"
+        _record_lost(checkpoint, settings, system_prompt, engine, reason)
+        raise EvaluationLost(reason) from None
+
+
+def _evaluate(checkpoint, settings: dict, system_prompt: str, engine: str) -> dict:
     from raysft.evals.validation import validate_checkpoint as validate
 
     return validate(checkpoint, settings, system_prompt, engine)
+
+
+def _record_lost(checkpoint, settings: dict, system_prompt: str, engine: str, reason: str) -> None:
+    """The failure record the dead process could not write (imports torch: on this path only)."""
+    from raysft.config import GenEvalConfig
+    from raysft.evals.runner import record_failure
+    from raysft.storage import native
+
+    ckpt = native(Location(checkpoint.filesystem, checkpoint.path))
+    record_failure(ckpt, GenEvalConfig(**settings), system_prompt, engine, reason)
 
 
 def record_run_ending(run_dir: Path | Location, rank: int, error: Exception) -> None:

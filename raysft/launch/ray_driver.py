@@ -32,7 +32,7 @@ from raysft.distributed.collectives import process_group_backend
 from raysft.distributed.layout import check_hsdp_shard_size_fits_nodes
 from raysft.distributed.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.errors import CannotPlaceWorkers
-from raysft.evals.validation import RAY_GRACE_S, task_resources, validation_kwargs
+from raysft.evals.validation import RAY_GRACE_S, VALIDATION_TASK_RESOURCES, validation_kwargs
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
@@ -182,15 +182,16 @@ def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
 
 
 def gen_eval_validation(config: TrainConfig) -> ValidationConfig | None:
-    """With an eval section, Ray Train's validation (raysft.evals.validation): a task of its own per reported
-    checkpoint, on eval.num_cpus / eval.num_gpus, its metrics joining the checkpoint's. Its timeout is Ray's last
+    """With an eval section, Ray Train's validation (raysft.launch.ray_controller.validate_checkpoint): a task of
+    its own per reported checkpoint, which runs the evaluation as a task on eval.num_cpus / eval.num_gpus, its
+    metrics joining the checkpoint's. Its timeout is Ray's last
     resort, RAY_GRACE_S after the evaluation's own (which records the timeout before it gives up)."""
     if not config.eval.path:
         return None
     return ValidationConfig(validate_checkpoint,
                             task_config=ValidationTaskConfig(fn_kwargs=validation_kwargs(config),
                                                              timeout_s=config.eval.timeout_s + RAY_GRACE_S),
-                            ray_remote_kwargs=task_resources(config))
+                            ray_remote_kwargs=VALIDATION_TASK_RESOURCES)
 
 
 def connect_ray(scaling: RaysftScaling, eval_cpus: float = 0.0) -> LocalRay | None:
