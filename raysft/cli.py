@@ -298,18 +298,19 @@ def _eval(args: argparse.Namespace) -> int:
 
     from raysft.checkpoint import CHECKPOINT_PREFIX
     from raysft.checkpoint.retention import select_checkpoint
-    from raysft.evals.runner import evaluate_model, summary
+    from raysft.evals.runner import evaluate_model, run_settings, summary
     from raysft.products.directories import is_checkpoint
 
-    sets = [f"eval.path={args.eval_set}"]
-    for flag, key in (("answer_pattern", "answer_pattern"), ("max_new_tokens", "max_new_tokens"),
-                      ("temperature", "temperature"), ("max_samples", "max_samples"), ("engine", "engine")):
-        if getattr(args, flag) is not None:
-            sets.append(f"eval.{key}={getattr(args, flag)}")
-    if args.scorers:
-        sets.append(f"eval.scorers=[{args.scorers}]")
-    if args.stop:
-        sets.append(f"eval.stop={json.dumps(args.stop)}")
+    # each flag's value as JSON, which YAML reads as it is: a flag is never parsed as YAML ("answer: (\w+)" would be
+    # a mapping), as a --set value is
+    flags = {"path": args.eval_set, "answer_pattern": args.answer_pattern, "max_new_tokens": args.max_new_tokens,
+             "temperature": args.temperature, "max_samples": args.max_samples, "engine": args.engine,
+             "scorers": [s.strip() for s in args.scorers.split(",")] if args.scorers else None, "stop": args.stop}
+    sets = [f"eval.{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    recorded = None if args.config else run_settings(args.model, args.eval_set)
+    if recorded:  # a run's checkpoint, evaluated as its run did unless --config or a flag says otherwise
+        print(f"raysft: the run's own settings for {args.eval_set} (its newest evaluation record)")
+        sets = [*recorded, *sets]
     config = resolve_paths(load_config(args.config, sets))
     transformers.utils.logging.disable_progress_bar()
     best = (config.checkpoint.best_metric, best_mode(config.checkpoint))

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import REPO, cli_env, cli_in_process
 
+from raysft.training.metrics import read_metrics
+
 
 @pytest.fixture
 def env():
@@ -58,6 +60,9 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
     assert re.search(r"raysft: generation eval \(builtin:demo-eval, 8 prompts\): step 0 \(the base\): "
                      r"gen/exact_match 0\.000, gen/contains 0\.000 -> step 6: gen/exact_match \d\.\d{3}", stdout), \
         stdout[-3000:]
+    # step 3, saved while the base's evaluation may still run: evaluated, or skipped with a record (never lost)
+    events = {m["step"]: m["event"] for m in read_metrics(tmp_path / "cli") if m.get("event", "").startswith("gen")}
+    assert events[0] == events[6] == "gen_eval" and events[3] in ("gen_eval", "gen_eval_skipped"), events
 
     again = cli_in_process("export", str(tmp_path / "cli" / "checkpoint_00000003"), str(tmp_path / "hf3"))
     assert again.returncode == 0 and (tmp_path / "hf3" / "config.json").is_file(), again.stderr

@@ -5,6 +5,7 @@ running, retention by a generation score, and the log of the records. Under Ray:
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,12 +19,13 @@ from raysft.config import ConfigError, GenEvalConfig, ModelConfig, best_mode
 from raysft.data.demo import DEMO_CONVERSATIONS, HELD_OUT
 from raysft.data.tokenizer import load_tokenizer
 from raysft.errors import DataError
-from raysft.evals.engines import EvalTimeout, HfEngine, cut_at_stop
+from raysft.evals.engines import EvalTimeout, HfEngine, cut_at_stop, length_sorted_batches
 from raysft.evals.evalset import check_renders, read_eval_set
 from raysft.evals.scorers import check_expected, score
 from raysft.launch.torchrun import launch
 from raysft.products.chat_model import ChatModel
 from raysft.products.export import export
+from raysft.storage import location
 from raysft.tools.report import read_curves
 from raysft.training.gen_log import GenEvalLog, score_line
 from raysft.training.metrics import MetricsLogger, read_metrics
@@ -229,11 +231,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
-def test_hf_engine_greedy_answers_are_the_answers_of_raysft_chat(tiny_model):
+def test_hf_engine_greedy_answers_are_the_answers_of_raysft_chat(tiny_model, monkeypatch):
     samples = read_eval_set("builtin:demo-eval", ["exact_match"])
     engine = HfEngine(tiny_model, GenEvalConfig(path="builtin:demo-eval", max_new_tokens=12, batch_size=8))
-    lengths = [len(engine.prompt_ids(s)) for s in samples]
-    assert max(lengths.count(n) for n in lengths) >= 8  # batches of several prompts, each of one length
+    prompts = [engine.prompt_ids(s) for s in samples]
+    batches = length_sorted_batches(prompts, 8)
+    assert sum(len({len(prompts[i]) for i in b}) > 1 for b in batches) >= 2  # rows of several lengths, left-padded
     generated = engine.generate(samples)
     answers = [a.text for a in generated]
     chat = ChatModel.load(tiny_model)
@@ -248,12 +251,19 @@ def test_hf_engine_greedy_answers_are_the_answers_of_raysft_chat(tiny_model):
     stopped = [a.text for a in generated]
     assert stopped == [cut_at_stop(a, [stop]) for a in answers[:16]] != answers[:16]
     assert [a.cut for a in generated] == [s == a for s, a in zip(stopped, answers[:16], strict=True)]  # a stop: no cut
+    rng = torch.random.get_rng_state()
     sampled = [[a.text for a in HfEngine(tiny_model, GenEvalConfig(path="x", max_new_tokens=12, temperature=1.0,
                                                                    seed=seed)).generate(samples[:8])]
                for seed in (3, 3, 4)]
     assert sampled[0] == sampled[1] != sampled[2]
-    with pytest.raises(EvalTimeout, match="after 0 of"):
-        engine.generate(samples, deadline=0.0)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's random stream (training's) is untouched
+    # the deadline is checked before each batch: one passing while the first batch runs stops the second
+    import raysft.evals.engines
+
+    clock = iter([0.0] + [10.0] * len(samples))
+    monkeypatch.setattr(raysft.evals.engines, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    with pytest.raises(EvalTimeout, match="after 1 of"):
+        engine.generate(samples, deadline=5.0)
 
 
 EVAL_SETS = {"eval.scorers": "[exact_match, contains]", "eval.max_new_tokens": 8}
@@ -292,6 +302,9 @@ def test_torchrun_evaluates_every_checkpoint_in_process_and_logs_each_once(lora_
 
 def test_raysft_eval_on_the_sharded_lora_checkpoint_and_on_its_export(lora_run, tmp_path, monkeypatch):
     ckpt = lora_run.run_dir / "checkpoint_00000004"
+    out = cli_in_process("eval", str(ckpt), lora_run.eval.path)  # no --config: the run's own settings, its record
+    assert out.returncode == 0, out.stderr
+    assert "the run's own settings" in out.stdout and "was evaluated so before (same eval set" in out.stdout
     args = [lora_run.eval.path, "--scorers", "exact_match,contains", "--max-new-tokens", "8"]
     out = cli_in_process("eval", str(ckpt), *args)
     assert out.returncode == 0, out.stderr
@@ -319,6 +332,11 @@ def test_raysft_eval_on_the_sharded_lora_checkpoint_and_on_its_export(lora_run, 
     table = (tmp_path / "out" / "samples.jsonl").read_text().splitlines()
     assert [json.loads(line)["generation"] for line in table] == generations
     assert json.loads((tmp_path / "out" / "result.json").read_text())["model"] == str(merged)
+    # a flag is a string as typed, never YAML (where this pattern is a mapping)
+    out = cli_in_process("eval", str(merged), lora_run.eval.path, "--scorers", "regex", "--answer-pattern",
+                         r"answer: (\w+)", "--max-new-tokens", "4", "--out", str(tmp_path / "regex"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "regex" / "result.json").read_text())["key"]["answer_pattern"] == r"answer: (\w+)"
 
 
 def test_an_evaluation_that_times_out_is_one_event_and_training_goes_on(tmp_path, gloo_pool):
@@ -345,7 +363,8 @@ def fake_checkpoint(run_dir: Path, step: int, score: float | None = None, failed
     common = {"step": step, "key": {}, "finished": 1000.0 + step}
     if score is not None:
         write_result(ckpt, {**common, "metrics": {"gen/exact_match": score}, "samples": 4, "table": "samples.jsonl",
-                            "engine": "hf", "started": 999.0, "seconds": 1.0})
+                            "engine": "hf", "started": 999.0, "seconds": 1.0, "cut": 0,
+                            "stderr": {"gen/exact_match": 0.25}})
     if failed:
         write_failure(ckpt, {**common, "kind": "failed", "reason": "RuntimeError: no vLLM"})
     return ckpt
@@ -363,7 +382,42 @@ def test_keep_best_by_a_generation_score_keeps_the_best_and_the_latest_a_failed_
     assert recorded_metric(ckpts[2], "gen/exact_match") is None and read_failure(ckpts[2])["kind"] == "failed"
 
 
-def test_the_log_takes_each_record_once_across_launches_and_report_plots_the_scores(tmp_path):
+def test_a_checkpoint_saved_while_an_evaluation_runs_is_skipped_but_the_base_and_the_last_never_are(tmp_path,
+                                                                                                     capsys):
+    """eval.every_checkpoint false under Ray: rank 0 asks for a checkpoint's evaluation only when the one asked for
+    before has ended (or its request expired), except for the base (step 0) and the run's last; a checkpoint not
+    asked for is recorded as skipped, one gen_eval_skipped event, so that at most two wait on disk."""
+    from raysft.launch.ray_controller import EVAL_REQUEST_FILE, evaluation_ended, request_evaluation
+    from raysft.launch.ray_worker import evaluation_wanted
+
+    cfg = tiny_config(tmp_path, **{"eval.path": "builtin:demo-eval", "train.max_steps": 8})
+    ckpts = {s: fake_checkpoint(cfg.run_dir, s) for s in (0, 2, 4, 6, 8)}
+    asked = [s for s in (0, 2) if evaluation_wanted(cfg, location(ckpts[s]), s)]
+    assert asked == [0]  # the base asked for; step 2 saved while it ran
+    evaluation_ended(cfg.run_dir, "checkpoint_00000002")  # not the one asked for: changes nothing
+    assert evaluation_wanted(cfg, location(ckpts[4]), 4) is False
+    evaluation_ended(cfg.run_dir, "checkpoint_00000000")
+    assert evaluation_wanted(cfg, location(ckpts[6]), 6) is True
+    assert evaluation_wanted(cfg, location(ckpts[8]), 8) is True  # the last, though step 6's still runs
+    evaluation_ended(cfg.run_dir, "checkpoint_00000006")  # the last's request stays until its own end
+    assert json.loads((cfg.run_dir / EVAL_REQUEST_FILE).read_text())["checkpoint"] == "checkpoint_00000008"
+    assert request_evaluation(cfg.run_dir, "checkpoint_00000009", always=False, expires_s=0) is not None
+    (cfg.run_dir / EVAL_REQUEST_FILE).write_text(json.dumps({"checkpoint": "x", "expires": 0}))  # expired
+    assert request_evaluation(cfg.run_dir, "checkpoint_00000010", always=False, expires_s=60) is None
+
+    log = MetricsLogger(cfg.run_dir, 8, 1)
+    assert GenEvalLog(cfg.run_dir, log).poll(now=True) == 2
+    skipped = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "gen_eval_skipped"]
+    assert [e["step"] for e in skipped] == [2, 4]
+    assert "the evaluation of checkpoint_00000000 had not ended when it was saved" in skipped[0]["reason"]
+    assert capsys.readouterr().out.splitlines()[0].startswith(
+        "raysft: gen_eval_skipped step 2: not evaluated: the evaluation of checkpoint_00000000 had not ended")
+    assert score_line(skipped, "e.jsonl").endswith("; 2 skipped while an earlier one ran (eval.every_checkpoint)")
+    every = tiny_config(tmp_path, **{"eval.path": "builtin:demo-eval", "eval.every_checkpoint": True})
+    assert evaluation_wanted(every, location(ckpts[4]), 4) is True  # every one asked for, in order
+
+
+def test_the_log_takes_each_record_once_across_launches_and_report_plots_the_scores(tmp_path, capsys):
     run = tmp_path / "run"
     fake_checkpoint(run, 2, 0.5)
     fake_checkpoint(run, 4, failed=True)
@@ -375,6 +429,10 @@ def test_the_log_takes_each_record_once_across_launches_and_report_plots_the_sco
         return GenEvalLog(run, log).poll(now=True)
 
     assert follow() == 2 and follow() == 0  # a relaunch logs nothing twice
+    # the terminal gets one short line per record: step, scores with their standard error, samples, seconds
+    assert capsys.readouterr().out.splitlines() == [
+        "raysft: gen_eval step 2: exact_match 0.500 ± 0.250 (4 samples, 1.0 s)",
+        "raysft: gen_eval_failed step 4: failed: RuntimeError: no vLLM"]
     fake_checkpoint(run, 6, 0.75)
     assert follow() == 1
     events = [m for m in read_metrics(run) if m.get("event", "").startswith("gen_eval")]

@@ -116,30 +116,84 @@ def test_keep_best_ranks_a_registered_lost_checkpoint_by_the_eval_loss_it_record
     assert run.on_disk() == run.tracked() == kept
 
 
-def test_keep_best_by_a_generation_score_ranks_by_what_validation_adds_and_never_prunes_a_pending_one(tmp_path):
-    """checkpoint.best_metric gen/exact_match against Ray's own checkpoint manager: raysft reports each checkpoint
-    with the score NaN and its validation pending (raysft.launch.ray_worker); Ray keeps every pending one, then
-    ranks each by the score its validation task returned (merged into its metrics), and one whose validation failed
-    last. The validation itself under a real Ray: tests/test_train_ray.py."""
+def ray_validation(ckpt: Path, cfg) -> tuple:
+    """What Ray's validation manager gets from raysft's validation function (the evaluation's, in this process):
+    its metrics when it returns, a failed validation when it raises."""
+    from dataclasses import asdict
+
     from ray.train.v2.api.reported_checkpoint import ReportedCheckpointStatus
 
-    from raysft.launch.ray_worker import scored_metrics
+    from raysft.evals.validation import validate_checkpoint
+
+    try:
+        return validate_checkpoint(Checkpoint(str(ckpt)), asdict(cfg.eval), cfg.data.system_prompt, "hf"), \
+            ReportedCheckpointStatus.VALIDATED
+    except Exception:  # noqa: BLE001 - what Ray's manager does with the task's error
+        return {}, ReportedCheckpointStatus.VALIDATION_FAILED
+
+
+def evaluated(run: RayRun, step: int, score: float | None) -> Path:
+    """A checkpoint with its evaluation recorded as raysft's runner leaves it (score None: none, so evaluating it
+    is tried, and fails on this checkpoint without weights)."""
+    from raysft.checkpoint.gen_record import write_result
+    from raysft.evals.runner import evaluation_key
+
+    ckpt = saved(run.run_dir, step)
+    if score is not None:
+        write_result(ckpt, {"step": step, "finished": 1000.0 + step, "metrics": {"gen/exact_match": score},
+                            "key": evaluation_key(run.cfg.eval, run.cfg.data.system_prompt, "hf"), "samples": 4,
+                            "table": "samples.jsonl", "engine": "hf", "started": 999.0, "seconds": 1.0})
+    return ckpt
+
+
+def test_keep_best_by_a_generation_score_ranks_by_what_validation_adds_and_never_prunes_a_pending_one(tmp_path):
+    """checkpoint.best_metric gen/exact_match against Ray's own checkpoint manager, with raysft's side real: each
+    checkpoint reported with the score NaN and its validation asked for (raysft.launch.ray_worker), Ray keeping
+    every pending one, then the metrics raysft's validation function returns (a recorded evaluation's) merged into
+    each, and the one whose evaluation raises ranked last. The validation task under a real Ray:
+    tests/test_train_ray.py."""
+    from raysft.launch.ray_worker import evaluation_wanted, scored_metrics
+    from raysft.storage import location
 
     run = RayRun(tmp_path, **{"checkpoint.keep_best": 1, "checkpoint.best_metric": "gen/exact_match",
-                              "eval.path": "eval.jsonl"})
+                              "eval.path": "builtin:demo-eval", "eval.every_checkpoint": True})
     reports = {}
-    for step in (2, 4, 6, 8):
+    for step, score in ((2, 0.5), (4, 0.9), (6, None), (8, 0.1)):
+        ckpt = evaluated(run, step, score)
         metrics = scored_metrics({"step": step}, scored_by(run.cfg))
         assert math.isnan(metrics["gen/exact_match"])
-        reports[step] = _TrainingReport(checkpoint=Checkpoint(str(saved(run.run_dir, step))), validation=True,
-                                        metrics=metrics)
+        reports[step] = _TrainingReport(checkpoint=Checkpoint(str(ckpt)), metrics=metrics,
+                                        validation=evaluation_wanted(run.cfg, location(ckpt), step))
         asyncio.run(run._in_loop(lambda r=reports[step]: run.manager.register_checkpoint(r)))
+    assert all(r.validation for r in reports.values())
     assert run.on_disk() == [f"checkpoint_{s:08d}" for s in (2, 4, 6, 8)]  # all pending: none pruned
-    results = {2: ({"gen/exact_match": 0.5}, ReportedCheckpointStatus.VALIDATED),
-               4: ({"gen/exact_match": 0.9}, ReportedCheckpointStatus.VALIDATED),
-               6: ({}, ReportedCheckpointStatus.VALIDATION_FAILED),
-               8: ({"gen/exact_match": 0.1}, ReportedCheckpointStatus.VALIDATED)}
-    for step, result in results.items():
-        asyncio.run(run._in_loop(lambda s=step, r=result: run.manager.update_checkpoints_with_validation_result(
-            {reports[s].checkpoint: r})))
+    for report in reports.values():
+        result = ray_validation(Path(report.checkpoint.path), run.cfg)
+        asyncio.run(run._in_loop(lambda c=report.checkpoint, r=result:
+                                 run.manager.update_checkpoints_with_validation_result({c: r})))
     assert run.on_disk() == run.tracked() == ["checkpoint_00000004", "checkpoint_00000008"]  # the best, the latest
+
+
+def test_checkpoints_saved_while_an_evaluation_runs_are_not_held_for_one(tmp_path):
+    """eval.every_checkpoint false against Ray's own checkpoint manager (checkpoint.keep 1): a checkpoint saved
+    while the evaluation asked for before has not ended is reported without a validation, so Ray prunes it as any
+    other; only the one being evaluated and the run's last wait for theirs, however many were saved meanwhile."""
+    from raysft.launch.ray_controller import evaluation_ended
+    from raysft.launch.ray_worker import evaluation_wanted
+    from raysft.storage import location
+
+    run = RayRun(tmp_path, **{"checkpoint.keep": 1, "eval.path": "builtin:demo-eval", "train.max_steps": 12})
+    reports = {}
+    for step in range(2, 14, 2):  # step 2's evaluation runs all along; step 12 is the run's last
+        ckpt = evaluated(run, step, 0.5)
+        reports[step] = _TrainingReport(checkpoint=Checkpoint(str(ckpt)), metrics={"step": step},
+                                        validation=evaluation_wanted(run.cfg, location(ckpt), step))
+        asyncio.run(run._in_loop(lambda r=reports[step]: run.manager.register_checkpoint(r)))
+    assert [s for s, r in reports.items() if r.validation] == [2, 12]
+    assert run.on_disk() == ["checkpoint_00000002", "checkpoint_00000012"]  # 4 to 10 pruned at once
+    for step in (2, 12):
+        result = ray_validation(Path(reports[step].checkpoint.path), run.cfg)
+        evaluation_ended(run.run_dir, f"checkpoint_{step:08d}")
+        asyncio.run(run._in_loop(lambda c=reports[step].checkpoint, r=result:
+                                 run.manager.update_checkpoints_with_validation_result({c: r})))
+    assert run.on_disk() == run.tracked() == ["checkpoint_00000012"]

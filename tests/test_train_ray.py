@@ -3,9 +3,11 @@ tasks beside training, a run-ending error, a cluster too small. A Ray run stoppe
 the run without Ray: tests/test_checkpoint_ray.py. What needs no Ray (export, exact resume, packing) is in
 tests/test_training.py."""
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 import raysft
 from raysft.checkpoint.gen_record import run_records
 from raysft.checkpoint.retention import select_checkpoint
-from raysft.config import TrainConfig
+from raysft.config import ConfigError, TrainConfig
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
 from raysft.launch.ray_driver import CannotPlaceWorkers
@@ -49,6 +51,16 @@ def kill_the_evaluation_of(checkpoint: str, killed: list, stop: threading.Event)
         time.sleep(0.05)
 
 
+def move_away_once_resumed(run_dir: Path, path: Path) -> None:
+    """Rename `path` aside once the run's second launch resumed (the driver has read it by then)."""
+    while True:
+        with contextlib.suppress(ValueError):  # a line being written
+            if any(m.get("event") == "resume" for m in read_metrics(run_dir)):
+                break
+        time.sleep(0.05)
+    path.rename(path.with_suffix(".gone"))
+
+
 @pytest.fixture(scope="module")
 def validated_run(tmp_path_factory):
     """One launch for the two tests of checkpoint scores under Ray (one Ray Train launch less in the suite): 6
@@ -64,7 +76,7 @@ def validated_run(tmp_path_factory):
     eval_set.write_text("".join(json.dumps({"prompt": q, "answer": "TheThe"}) + "\n" for q in questions))
     sets = {"train.max_steps": 6, "checkpoint.every_n_steps": 2, "data.eval_fraction": 0.05, "checkpoint.keep_best": 1,
             "train.lr": 0.05, "train.global_batch_size": 16, "train.micro_batch_size": 4, "eval.path": str(eval_set),
-            "eval.scorers": "[regex]",
+            "eval.scorers": "[regex]", "eval.every_checkpoint": True,  # each one scored: the test compares them
             "eval.answer_pattern": "'^(TheThe)'", "eval.max_new_tokens": 16}
     killed, stop = [], threading.Event()
     killer = threading.Thread(target=kill_the_evaluation_of, args=("checkpoint_00000004", killed, stop), daemon=True)
@@ -122,20 +134,89 @@ def test_a_validation_task_scores_each_checkpoint_beside_training_a_relaunch_red
 
     assert scores[2] < scores[6], scores  # the scorer tells these checkpoints apart
 
-    relaunch = tiny_config(validated_run.tmp, **{**validated_run.sets, "train.max_steps": 10, "eval.engine": "vllm",
-                                                  "eval.num_gpus": 1})
+    # an evaluation no node could ever start is refused before anything trains
+    with pytest.raises(ConfigError, match=r"config key 'eval.num_gpus': 1, but no node of the Ray cluster has more "
+                                          r"than 0 GPUs"):
+        raysft.train(tiny_config(validated_run.tmp, **{**validated_run.sets, "train.max_steps": 10,
+                                                       "eval.num_gpus": 1}))
+    assert [m["step"] for m in read_metrics(cfg.run_dir) if "loss" in m] == [1, 2, 3, 4, 5, 6]
+
+    relaunch = tiny_config(validated_run.tmp, **{**validated_run.sets, "train.max_steps": 10})
+    eval_set = Path(relaunch.eval.path)
+    mover = threading.Thread(target=move_away_once_resumed, args=(cfg.run_dir, eval_set), daemon=True)
+    mover.start()  # the eval set gone from the node once the launch read it: its evaluations fail
     result = raysft.train(relaunch)
+    mover.join()
     steps = [m["step"] for m in read_metrics(cfg.run_dir) if "loss" in m]
     assert steps[-4:] == [7, 8, 9, 10]  # training went on past the failed evaluation of step 8
     events = [m for m in read_metrics(cfg.run_dir) if m.get("event", "").startswith("gen_eval")]
     assert sorted((e["event"], e["step"]) for e in events) == [
         *[("gen_eval", s) for s in (2, 6)], *[("gen_eval_failed", s) for s in (4, 8, 10)]]
     failed = [e for e in events if e["event"] == "gen_eval_failed" and e["step"] > 6]
-    assert all("vLLM is not installed where the evaluation runs" in e["reason"] for e in failed)
+    assert all(f"eval.path: {eval_set} is not a file on node {socket.gethostname()}" in e["reason"]
+               for e in failed), failed
     again = {name: record for name, _, record in run_records(cfg.run_dir)}
     assert all(again[name]["finished"] == record["finished"] for name, record in records.items())  # not redone
     ray_view = {metrics["step"]: metrics for _, metrics in result.best_checkpoints}
     assert "gen/regex" not in ray_view[10] and ray_view[10]["step"] == 10  # its failed evaluation added nothing
+
+
+def test_the_vllm_processor_gets_the_prompt_tokens_of_the_hf_engine_and_stops_at_the_end_of_turn(validated_run):
+    """The vLLM engine's Ray Data processor, built with Ray's API (vLLM is needed only to run it): no chat template,
+    tokenize or detokenize stage of Ray's (its tokenize stage added a second BOS to the rendered template, its
+    template stage dropped tools), each row the prompt's token ids as the hf engine renders them, tools included,
+    and sampling that stops at the chat template's end of turn, which a full checkpoint has no generation config
+    for."""
+    from raysft.config import GenEvalConfig
+    from raysft.data.labels import stop_token_ids
+    from raysft.evals.engines import prompt_ids, tokenizer_and_stops, vllm_processor
+    from raysft.evals.evalset import EvalSample
+
+    ckpt = select_checkpoint(validated_run.cfg.run_dir, "latest")  # a full checkpoint: an HF directory
+    tokenizer, stops = tokenizer_and_stops(ckpt)
+    assert set(stop_token_ids(tokenizer)) <= set(stops)
+    settings = GenEvalConfig(path="builtin:demo-eval", engine="vllm", num_gpus=1, max_new_tokens=8)
+    processor = vllm_processor(str(ckpt), settings, stops)
+    assert list(processor.stages) == ["vLLMEngineStage"]
+    tool = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    sample = EvalSample(where="line 1", messages=[{"role": "user", "content": "What is 2 plus 3?"}], expected="5",
+                        tools=[tool])
+    ids = prompt_ids(tokenizer, sample)
+    row = next(v for v in processor.preprocess({"index": 0, "ids": ids}).values())  # Ray's column of the row
+    assert row["tokenized_prompt"] == ids and ids.count(tokenizer.bos_token_id) <= 1
+    assert row["sampling_params"]["stop_token_ids"] == stops and row["sampling_params"]["max_tokens"] == 8
+    # the prompt is what training tokenized before the answer it learned (the same template, the same tokens)
+    from raysft.data.conversation import Conversation
+    from raysft.data.labels import IGNORE_INDEX, label_conversation
+
+    trained = label_conversation(tokenizer, Conversation([*sample.messages, {"role": "assistant", "content": "5"}],
+                                                         [tool]), 1024)
+    first_learned = next(i for i, label in enumerate(trained.labels) if label != IGNORE_INDEX)
+    assert ids == trained.input_ids[:first_learned], (ids, trained.input_ids)
+
+
+def test_an_evaluation_that_never_gets_its_resources_is_cancelled_and_recorded_as_timed_out(tmp_path, monkeypatch):
+    """Ray's own timeout of a validation task counts from its submission and leaves no record: the validation
+    function gives up first, on an evaluation with no result eval.timeout_s + RAY_GRACE_S / 2 after it was asked
+    for (here one that asks for more CPUs than the cluster has, and waits), cancels it, and records why."""
+    from dataclasses import asdict
+
+    from ray.train import Checkpoint
+
+    from raysft.checkpoint.gen_record import read_failure
+    from raysft.config import GenEvalConfig
+    from raysft.launch import ray_controller
+
+    monkeypatch.setattr(ray_controller, "RAY_GRACE_S", 2.0)
+    ckpt = tmp_path / "checkpoint_00000004"
+    ckpt.mkdir()
+    settings = asdict(GenEvalConfig(path="builtin:demo-eval", timeout_s=1.0))
+    with pytest.raises(ray_controller.EvaluationLost, match="no result 2 s after it was asked for"):
+        ray_controller.validate_checkpoint(Checkpoint(str(ckpt)), settings, resources={"num_cpus": 10_000})
+    failure = read_failure(ckpt)
+    assert failure["kind"] == "timed_out" and failure["step"] == 4, failure
+    assert "waited that long for its resources (eval.num_cpus, eval.num_gpus)" in failure["reason"]
 
 
 def test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint(tmp_path):

@@ -40,7 +40,8 @@ class GenEvalConfig:
     max_samples: int = 0
     """Evaluate the first N records of the eval set; 0: all."""
     batch_size: int = 16
-    """Prompts generated together (the Hugging Face engine batches prompts of equal length: no padding)."""
+    """Prompts generated together (the Hugging Face engine batches prompts of neighbouring lengths, padded on the
+    left)."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """"hf": batched Hugging Face generate; "vllm": vLLM through ray.data.llm (installed where the evaluation
     runs; eval.num_gpus GPUs as its tensor-parallel size); "auto": vllm when the driver can import it and
@@ -52,6 +53,12 @@ class GenEvalConfig:
     timeout_s: float = 1800.0
     """An evaluation that runs longer is stopped and recorded as timed out (one event; the checkpoint stays
     unranked); training goes on."""
+    every_checkpoint: bool = False
+    """Under Ray, evaluations run one at a time beside training, and a checkpoint waiting for its evaluation is
+    never pruned. false: a checkpoint saved while an earlier one's evaluation is still running is not evaluated
+    (a gen_eval_skipped event says so), but the base (eval.at_start) and the run's last checkpoint always are, so
+    that evaluations slower than the checkpoint cadence keep at most two checkpoints waiting; true: every one is
+    evaluated, in order, and those waiting stay on disk until theirs has run."""
     at_start: bool = False
     """With eval.path: also evaluate the starting model; a fresh run saves a checkpoint of step 0 (the base) and
     evaluates it as every other."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +60,8 @@ def eval_set_path(name: str) -> Path:
     if name.startswith(BUILTIN):
         raise DataError(f"eval.path: unknown builtin {name!r} (known: {DEMO_EVAL_NAME})")
     path = Path(name).expanduser()
-    if not path.is_file():
-        raise DataError(f"eval.path: {path} is not a file")
+    if not path.is_file():  # the node, as an evaluation runs where Ray places it: the file may be on others only
+        raise DataError(f"eval.path: {path} is not a file on node {socket.gethostname()}")
     return path
 
 

@@ -20,10 +20,11 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from raysft.checkpoint import read_trainer_state
+from raysft.checkpoint.discovery import step_of
 from raysft.checkpoint.gen_record import (
     GEN_PREFIX,
     RECORD_FORMAT,
@@ -31,10 +32,12 @@ from raysft.checkpoint.gen_record import (
     SAMPLES_FILE,
     eval_dir,
     read_result,
+    run_records,
     write_failure,
     write_result,
 )
 from raysft.config import GenEvalConfig
+from raysft.errors import DataError
 from raysft.evals.engines import EvalTimeout, open_engine, resolve_engine
 from raysft.evals.evalset import EvalSample, eval_set_sha256, read_eval_set
 from raysft.evals.scorers import score, standard_error
@@ -42,22 +45,25 @@ from raysft.products.directories import is_checkpoint
 from raysft.products.export import export
 from raysft.storage import Location, location
 
+VLLM_EXPORT = "vllm_model"  # in a checkpoint's eval/: its export for vLLM while it is evaluated
+
 
 def evaluation_key(settings: GenEvalConfig, system_prompt: str, engine: str) -> dict:
     """What the generations and scores depend on besides the weights: an evaluation recorded under the same key is
     not run again. Resources and the timeout change how it runs, not what it finds."""
+    # eval.batch_size stays: a batch pads its prompts to its longest, and a batch's seeded sampling is its own
     generation = {k: v for k, v in asdict(settings).items() if k not in ("num_cpus", "num_gpus", "timeout_s",
-                                                                        "at_start", "engine", "batch_size")}
-    if engine == "vllm" or settings.temperature > 0:  # a greedy hf answer is its prompt's alone (no padding)
-        generation["batch_size"] = settings.batch_size  # vLLM's batching and a batch's seeded sampling are not
+                                                                        "at_start", "every_checkpoint", "engine")}
     return {**generation, "path": eval_set_sha256(settings.path), "system_prompt": system_prompt, "engine": engine}
 
 
 @contextlib.contextmanager
-def model_directory(model: str | Path | Location, engine: str) -> Iterator[Path]:
-    """An HF model directory the engine reads: the model as it is, or a temporary export of a checkpoint. The hf
-    engine loads checkpoints itself as `raysft chat` does (a local full one in place, a sharded or LoRA one through
-    an export), so only a remote checkpoint is exported first for it."""
+def model_directory(model: str | Path | Location, engine: str) -> Iterator[Path | str]:
+    """An HF model directory the engine reads: the model as it is, or an export of a checkpoint for as long as the
+    evaluation runs. The hf engine loads checkpoints itself as `raysft chat` does (a local full one in place, a
+    sharded or LoRA one through an export), so only a remote checkpoint is exported first for it, to this node.
+    vLLM's engine runs where Ray Data places it, on any GPU node: its export goes beside the checkpoint, on the
+    run's storage that every node reads (a URI on remote storage, which Ray's vLLM stage downloads on its node)."""
     where = location(model)
     lora = sharded = False
     if is_checkpoint(where):
@@ -68,8 +74,21 @@ def model_directory(model: str | Path | Location, engine: str) -> Iterator[Path]
         return
     with tempfile.TemporaryDirectory(prefix="raysft-eval-") as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # DCP read in one process
-        # vLLM serves bf16 whatever it reads: half the bytes; the hf engine keeps fp32, as `raysft chat` loads it
-        yield export(where, Path(tmp) / "model", merge=lora, dtype="bf16" if engine == "vllm" else "fp32")
+        if engine == "hf":
+            yield export(where, Path(tmp) / "model", merge=lora)  # fp32, as `raysft chat` loads it
+            return
+        shared = eval_dir(where) / VLLM_EXPORT  # vLLM serves bf16 whatever it reads: half the bytes
+        try:
+            if shared.local is not None:
+                yield export(where, shared.local, overwrite=True, merge=lora, dtype="bf16")
+            else:
+                local = export(where, Path(tmp) / "model", merge=lora, dtype="bf16")
+                for f in sorted(local.iterdir()):
+                    (shared / f.name).upload(f)
+                yield str(shared)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                shared.fs.delete_dir(shared.path)
 
 
 def evaluate(model: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",
@@ -114,13 +133,13 @@ def evaluate_checkpoint(ckpt: str | Path | Location, settings: GenEvalConfig, sy
     """The checkpoint's evaluation record and whether it was made now (False: an equal one was recorded before).
     A failure or timeout is recorded in eval/failed.json, naming what happened, then raised."""
     engine = engine or resolve_engine(settings)
-    key = evaluation_key(settings, system_prompt, engine)
-    recorded = read_result(ckpt)
-    if recorded is not None and recorded["key"] == key:
-        return recorded, False
-    step = read_trainer_state(ckpt)["step"]
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else settings.timeout_s)
-    try:
+    try:  # reading the eval set (for its key) and the checkpoint's state fail as the evaluation does: recorded
+        key = evaluation_key(settings, system_prompt, engine)
+        recorded = read_result(ckpt)
+        if recorded is not None and recorded["key"] == key:
+            return recorded, False
+        step = read_trainer_state(ckpt)["step"]
         record, rows = evaluate(ckpt, settings, system_prompt, engine, deadline)
         if not is_checkpoint(ckpt):  # pruned meanwhile: no directory is made up for it
             raise FileNotFoundError(f"{ckpt}: the checkpoint went away while it was evaluated")
@@ -140,10 +159,14 @@ def record_failure(ckpt: str | Path | Location, settings: GenEvalConfig, system_
                    reason: str, kind: str = "failed") -> None:
     """Record that the checkpoint's evaluation failed (`kind` failed or timed_out) and why, in eval/failed.json and
     the run's copy: the trainer's GenEvalLog makes it one gen_eval_failed event. Also from outside the evaluation's
-    process, when that process died (raysft.launch.ray_controller.validate_checkpoint)."""
-    write_failure(ckpt, {"step": read_trainer_state(ckpt)["step"], "checkpoint": location(ckpt).name, "kind": kind,
-                         "key": evaluation_key(settings, system_prompt, engine), "reason": reason,
-                         "finished": time.time()})
+    process, when that process died (raysft.launch.ray_controller.validate_checkpoint). Its key is None where the
+    eval set could not be read."""
+    try:
+        key = evaluation_key(settings, system_prompt, engine)
+    except (OSError, DataError):
+        key = None
+    write_failure(ckpt, {"step": step_of(location(ckpt)), "checkpoint": location(ckpt).name, "kind": kind,
+                         "key": key, "reason": reason, "finished": time.time()})
 
 
 def evaluate_model(model: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",
@@ -169,6 +192,27 @@ def evaluate_model(model: str | Path | Location, settings: GenEvalConfig, system
     table = write_table(where, rows)
     (where / RESULT_FILE).write_text(json.dumps({"format": RECORD_FORMAT, "model": str(model), **record}, indent=1))
     return record, table, note
+
+
+def run_settings(model: str | Path | Location, eval_set: str) -> list[str] | None:
+    """The settings a run evaluated `eval_set` with, as config overrides (eval.*, data.system_prompt), read from the
+    newest record of the run that `model` (a run directory or one of its checkpoints) belongs to whose eval set had
+    the same content; None where there is none. `raysft eval` on a run's checkpoint then evaluates it as the run
+    did, and finds the run's own record, without the run's config."""
+    where = location(model)
+    run_dir = where.parent if is_checkpoint(where) else where
+    try:
+        content = eval_set_sha256(eval_set)
+    except (OSError, DataError):
+        return None
+    keys = [record["key"] for _, kind, record in run_records(run_dir) if kind == "result"
+            and isinstance(record["key"], dict) and record["key"].get("path") == content]
+    if not keys:
+        return None
+    settings = {f.name for f in fields(GenEvalConfig)} - {"path"}
+    key = keys[-1]
+    return [*(f"eval.{k}={json.dumps(v)}" for k, v in key.items() if k in settings),
+            f"data.system_prompt={json.dumps(key.get('system_prompt', ''))}"]
 
 
 def summary(record: dict) -> str:

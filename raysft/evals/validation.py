@@ -34,8 +34,6 @@ from raysft.evals.engines import resolve_engine
 from raysft.evals.runner import evaluate_checkpoint
 from raysft.storage import Location, native
 
-RAY_GRACE_S = 60.0  # Ray cancels the task this long after eval.timeout_s, should a batch hang past the deadline
-
 
 def validation_kwargs(cfg: TrainConfig) -> dict:
     """The validation function's keyword arguments (JSON values, as Ray's ValidationTaskConfig wants them), with the
@@ -62,10 +60,16 @@ def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", eng
     try:
         record, _ = evaluate_checkpoint(ckpt, GenEvalConfig(**settings), system_prompt, engine)
     finally:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
     return dict(record["metrics"])
+
+
+def release_memory() -> None:
+    """What an evaluation's model held goes back: to the next task in the same process (Ray), or to training
+    (torchrun, where rank 0 evaluates in the training process)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class EvaluatingSink:
@@ -114,3 +118,5 @@ class EvaluatingSink:
             evaluate_checkpoint(ckpts[-1], self.cfg.eval, self.cfg.data.system_prompt, self.engine)
         except Exception as e:  # noqa: BLE001 - an evaluation never ends training
             sys.stderr.write(f"raysft: generation evaluation of {ckpts[-1]} failed: {type(e).__name__}: {e}\n")
+        finally:
+            release_memory()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import ray
@@ -22,6 +23,10 @@ from ray.train import ControllerError, UserCallback
 from raysft.errors import run_ending_type
 from raysft.storage import Location, location
 
+# Ray cancels a validation task this long after eval.timeout_s (counted from the task's submission); the task gives
+# up on its evaluation, and records why, half of it earlier
+RAY_GRACE_S = 60.0
+EVAL_REQUEST_FILE = "gen_eval_requested.json"  # <run dir>/: the checkpoint whose evaluation was asked for last
 RUN_ENDING_PREFIX = "raysft_error."  # <run dir>/raysft_error.<rank>.json: the error a rank met that ends the run
 RECORDED = threading.Event()  # this process recorded a run-ending error: its one line reaches the user from the driver
 
@@ -73,19 +78,62 @@ def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", eng
     Ray 2.60's validation manager takes a task's ordinary error as a failed validation, but a system error (the
     process killed, out of memory, its node lost) ends the whole run as the controller's; from the inner task
     such a death is an error here, recorded as the evaluation's failure (a gen_eval_failed event naming it) and
-    raised as EvaluationLost. Ray's own cancel of this task (its timeout, the run's abort) cancels the inner one."""
-    evaluate = ray.remote(_evaluate).options(name=f"raysft gen_eval {Path(checkpoint.path).name}",
-                                              **(resources or {}))
+    raised as EvaluationLost. An evaluation with no result eval.timeout_s + RAY_GRACE_S / 2 after it was asked for
+    (waiting for its resources, or a batch that hangs past its own deadline) is cancelled and recorded as timed out,
+    before Ray's own timeout would cancel this task without a record. Ray's cancel of this task (the run's abort)
+    cancels the inner one."""
+    where = Location(checkpoint.filesystem, checkpoint.path)
+    evaluate = ray.remote(_evaluate).options(name=f"raysft gen_eval {where.name}", **(resources or {}))
+    ref = evaluate.remote(checkpoint, settings, system_prompt, engine)
+    wait_s = settings["timeout_s"] + RAY_GRACE_S / 2
     try:
-        return ray.get(evaluate.remote(checkpoint, settings, system_prompt, engine))
-    except ray.exceptions.RayTaskError:
-        raise  # the evaluation raised, and recorded why (raysft.evals.runner.evaluate_checkpoint)
-    except ray.exceptions.TaskCancelledError:
-        raise
+        return ray.get(ref, timeout=wait_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        reason = (f"no result {wait_s:g} s after it was asked for (eval.timeout_s={settings['timeout_s']:g}): it "
+                  "waited that long for its resources (eval.num_cpus, eval.num_gpus), or a batch hung")
+        _record_lost(checkpoint, settings, system_prompt, engine, reason, "timed_out")
+        raise EvaluationLost(reason) from None
+    except (ray.exceptions.RayTaskError, ray.exceptions.TaskCancelledError):
+        raise  # the evaluation raised, and recorded why (raysft.evals.runner.evaluate_checkpoint); or Ray cancelled
     except ray.exceptions.RayError as e:
         reason = f"the evaluation's process was lost ({type(e).__name__}): {str(e).splitlines()[0]}"
         _record_lost(checkpoint, settings, system_prompt, engine, reason)
         raise EvaluationLost(reason) from None
+    finally:
+        evaluation_ended(where.parent, where.name)
+
+
+def request_evaluation(run_dir: Path | Location, name: str, always: bool, expires_s: float) -> str | None:
+    """Rank 0, as it registers checkpoint `name`: None when its evaluation is to be asked for (and noted as the
+    one asked for last, for `expires_s`), or, when the evaluation asked for before it is still running or waiting
+    and this one is not `always` evaluated, why it is not (eval.every_checkpoint false)."""
+    marker = location(run_dir) / EVAL_REQUEST_FILE
+    try:
+        earlier = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        earlier = None
+    if not always and earlier is not None and earlier["expires"] > time.time():
+        return (f"the evaluation of {earlier['checkpoint']} had not ended when it was saved: the next checkpoint "
+                "saved after that one's evaluation is evaluated (eval.every_checkpoint: false)")
+    marker.write_text(json.dumps({"checkpoint": name, "expires": time.time() + expires_s}))
+    return None
+
+
+def forget_evaluation_request(run_dir: Path | Location) -> None:
+    """Before a launch: the evaluation an earlier launch asked for last is no evaluation of this one's."""
+    (location(run_dir) / EVAL_REQUEST_FILE).delete()
+
+
+def evaluation_ended(run_dir: Path | Location, name: str) -> None:
+    """The evaluation of checkpoint `name` ended, however: the next checkpoint's may be asked for, unless one
+    asked for since (the run's last) is still to run."""
+    marker = location(run_dir) / EVAL_REQUEST_FILE
+    try:
+        if json.loads(marker.read_text())["checkpoint"] == name:
+            marker.delete()
+    except (OSError, ValueError, KeyError):
+        return
 
 
 def _evaluate(checkpoint, settings: dict, system_prompt: str, engine: str) -> dict:
@@ -94,14 +142,15 @@ def _evaluate(checkpoint, settings: dict, system_prompt: str, engine: str) -> di
     return validate(checkpoint, settings, system_prompt, engine)
 
 
-def _record_lost(checkpoint, settings: dict, system_prompt: str, engine: str, reason: str) -> None:
+def _record_lost(checkpoint, settings: dict, system_prompt: str, engine: str, reason: str,
+                 kind: str = "failed") -> None:
     """The failure record the dead process could not write (imports torch: on this path only)."""
     from raysft.config import GenEvalConfig
     from raysft.evals.runner import record_failure
     from raysft.storage import native
 
     ckpt = native(Location(checkpoint.filesystem, checkpoint.path))
-    record_failure(ckpt, GenEvalConfig(**settings), system_prompt, engine, reason)
+    record_failure(ckpt, GenEvalConfig(**settings), system_prompt, engine, reason, kind)
 
 
 def record_run_ending(run_dir: Path | Location, rank: int, error: Exception) -> None:

@@ -26,21 +26,23 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysft.checkpoint import remove_snapshots
 from raysft.checkpoint.memory import remove_run, resolve_memory_dir
+from raysft.config import ConfigError, TrainConfig, best_mode
 from raysft.config import ScalingConfig as RaysftScaling
-from raysft.config import TrainConfig, best_mode
 from raysft.distributed.collectives import process_group_backend
 from raysft.distributed.layout import check_hsdp_shard_size_fits_nodes
 from raysft.distributed.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.errors import CannotPlaceWorkers
-from raysft.evals.validation import RAY_GRACE_S, VALIDATION_TASK_RESOURCES, validation_kwargs
+from raysft.evals.validation import VALIDATION_TASK_RESOURCES, validation_kwargs
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
 from raysft.launch.prelaunch import Stores, prepare_launch
 from raysft.launch.ray_controller import (
+    RAY_GRACE_S,
     EndRunOnRecordedError,
     RunEnded,
     StopFlag,
     clear_run_ending_records,
+    forget_evaluation_request,
     recorded_run_ending,
     validate_checkpoint,
 )
@@ -81,6 +83,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 def _fit(config: TrainConfig, stores: Stores) -> Result:
     own_local_ray = connect_ray(config.scaling, config.eval.num_cpus if config.eval.path else 0.0)
     check_cluster_can_place(config.scaling)
+    check_cluster_can_evaluate(config)
     check_hsdp_shard_size_fits_nodes(config.parallel, config.scaling.num_workers, workers_per_node(config.scaling))
     s = config.scaling
     root = location(config.run.storage_path)
@@ -110,6 +113,7 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     )
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
     clear_run_ending_records(config.run_dir)
+    forget_evaluation_request(config.run_dir)
     signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: request_stop(stop_flag))
     try:
         result = signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
@@ -242,6 +246,21 @@ def check_cluster_can_place(scaling: RaysftScaling) -> None:
             f"the Ray cluster fits {fits} workers of {need}, but scaling.num_workers={scaling.num_workers}"
             f"{f' (scaling.min_workers={scaling.min_workers})' if scaling.min_workers else ''}: lower "
             "scaling.num_workers or scaling.cpus_per_worker, set scaling.min_workers, or add nodes")
+
+
+def check_cluster_can_evaluate(config: TrainConfig) -> None:
+    """Refuse, before training, an evaluation no live node could ever start (eval.num_gpus GPUs, or eval.num_cpus
+    CPUs, on one node): Ray would keep its task waiting, and every checkpoint's validation pending, for ever."""
+    if not config.eval.path:
+        return
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    for key, resource, need in (("eval.num_gpus", "GPU", config.eval.num_gpus),
+                                ("eval.num_cpus", "CPU", config.eval.num_cpus)):
+        most = max((n.get(resource, 0.0) for n in nodes), default=0.0)
+        if need > most:
+            raise ConfigError(f"config key '{key}': {need:g}, but no node of the Ray cluster has more than "
+                              f"{most:g} {resource}s: the generation evaluation could never start. Lower {key} "
+                              f"(eval.num_gpus 0 runs it on CPUs) or add a node that has them")
 
 
 def _quiet_console() -> dict:

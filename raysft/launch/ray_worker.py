@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,14 +31,14 @@ from raysft.checkpoint import (
     existing_checkpoint_names,
     scratch_root,
 )
-from raysft.checkpoint.gen_record import recorded_metric
+from raysft.checkpoint.gen_record import recorded_metric, write_failure
 from raysft.checkpoint.retention import eval_loss, unregistered
 from raysft.config import TrainConfig, config_from_dict
 from raysft.distributed.collectives import from_rank0
 from raysft.errors import ends_the_run
 from raysft.launch.paths import check_worker_paths
-from raysft.launch.ray_controller import RECORDED, record_run_ending
-from raysft.storage import location, use_filesystem
+from raysft.launch.ray_controller import RAY_GRACE_S, RECORDED, record_run_ending, request_evaluation
+from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
 
@@ -126,14 +127,36 @@ def ray_preemption_deadline() -> float | None:
 def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
     """Straight into a local or shared run directory, registered with NO_UPLOAD (Ray prunes: ray_checkpoint_config);
     on remote storage, Ray's upload from node-local scratch."""
-    score, validate = scored_by(cfg), bool(cfg.eval.path)
+    score = scored_by(cfg)
     if isinstance(cfg.run_dir, Path):
-        return DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report,
-                             on_commit=lambda final, metrics: register_with_ray(final, scored_metrics(metrics, score),
-                                                                                validate))
-    return ScratchSink(lambda metrics, ckpt, step: ray_report(scored_metrics(metrics, score if ckpt else None),
-                                                               ckpt, step, taken, validate),
-                       scratch_root(cfg.run.name, cfg.run_dir))
+        def commit(final: Path | None, metrics: dict) -> None:
+            validate = final is not None and evaluation_wanted(cfg, location(final), metrics["step"])
+            register_with_ray(final, scored_metrics(metrics, score), validate)
+
+        return DirectorySink(cfg.run_dir, rank, taken=taken, on_report=ray.train.report, on_commit=commit)
+
+    def report(metrics: dict, ckpt: Path | None, step: int) -> None:
+        name = location(cfg.run_dir) / checkpoint_name(step, taken)
+        validate = ckpt is not None and from_rank0(lambda: evaluation_wanted(cfg, name, step))
+        ray_report(scored_metrics(metrics, score if ckpt else None), ckpt, step, taken, validate)
+
+    return ScratchSink(report, scratch_root(cfg.run.name, cfg.run_dir))
+
+
+def evaluation_wanted(cfg: TrainConfig, ckpt: Location, step: int) -> bool:
+    """Rank 0, registering checkpoint `ckpt`: whether to ask Ray for its generation evaluation. With
+    eval.every_checkpoint false, not while the one asked for before has not ended, unless it is the base or the
+    run's last (raysft.launch.ray_controller.request_evaluation); one not asked for is recorded as skipped."""
+    if not cfg.eval.path:
+        return False
+    if cfg.eval.every_checkpoint:
+        return True
+    why = request_evaluation(cfg.run_dir, ckpt.name, always=step in (0, cfg.train.max_steps),
+                             expires_s=cfg.eval.timeout_s + RAY_GRACE_S)
+    if why is not None:
+        write_failure(ckpt, {"step": step, "checkpoint": ckpt.name, "kind": "skipped", "key": None, "reason": why,
+                             "finished": time.time()})
+    return why is None
 
 
 def scored_by(cfg: TrainConfig) -> str | None:

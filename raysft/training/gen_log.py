@@ -4,7 +4,8 @@ An evaluation ends outside the training loop (a Ray validation task, or rank 0 i
 torchrun) and leaves its record beside the checkpoint, and a copy in `<run>/gen_evals/` that outlives the checkpoint
 (raysft.checkpoint.gen_record). Rank 0 of the trainer looks for new records there every POLL_S seconds (no
 collective: the other ranks never wait for it) and at the end of the launch, and logs each as one event at the
-checkpoint's step: `gen_eval` with gen/<scorer> and where its per-sample table is, or `gen_eval_failed` with why.
+checkpoint's step: `gen_eval` with gen/<scorer> and where its per-sample table is, `gen_eval_failed` with why, or
+`gen_eval_skipped` (a checkpoint saved while an earlier one's evaluation ran: eval.every_checkpoint) with why.
 Under Ray the evaluation of the last checkpoints ends after the workers have: the driver logs those
 (`log_remaining`) once Ray Train's fit has returned, which it does after every evaluation ended. A record already in
 metrics.jsonl (by checkpoint and finish time) is never logged again, so a relaunch logs only what is new.
@@ -26,7 +27,7 @@ from raysft.training.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from raysft.training.trackers import Trackers
 
 POLL_S = 5.0  # how often rank 0 looks for new records (a directory listing and a small read per record)
-EVENTS = ("gen_eval", "gen_eval_failed")
+EVENTS = ("gen_eval", "gen_eval_failed", "gen_eval_skipped")
 TABLE_ROWS = 100  # rows of the per-sample table a tracker shows (the whole table stays beside the checkpoint)
 
 
@@ -41,9 +42,9 @@ class GenEvalLog:
 
     def pending(self) -> list[tuple[str, str, dict]]:
         """(checkpoint name, event, record) of every record not logged yet, in the checkpoints' order."""
-        return [(name, event_of(kind), record)
+        return [(name, event_of(kind, record), record)
                 for name, kind, record in run_records(self.run_dir, skip=self.scored)
-                if (event_of(kind), name, record["finished"]) not in self.logged]
+                if (event_of(kind, record), name, record["finished"]) not in self.logged]
 
     def poll(self, now: bool = False) -> int:
         """Log the new records (at most every POLL_S seconds unless `now`); how many."""
@@ -60,12 +61,20 @@ class GenEvalLog:
         if event == "gen_eval":
             self.scored.add(name)
         common = {"step": record["step"], "checkpoint": name, "finished": record["finished"]}
+        if event == "gen_eval_skipped":
+            self.log.event(event, f"step {record['step']}: not evaluated: {record['reason']}", **common,
+                           reason=record["reason"])
+            return
         if event == "gen_eval_failed":
-            self.log.event(event, **common, outcome=record["kind"], reason=record["reason"])
+            self.log.event(event, f"step {record['step']}: {record['kind'].replace('_', ' ')}: {record['reason']}",
+                           **common, outcome=record["kind"], reason=record["reason"])
             return
         table = eval_dir(location(self.run_dir) / name) / record["table"]
-        self.log.event(event, **common, **record["metrics"], samples=record["samples"], engine=record["engine"],
-                       started=record["started"], seconds=record["seconds"], table=str(table))
+        self.log.event(event, f"step {record['step']}: {scores_text(record['metrics'], record.get('stderr', {}))} "
+                              f"({record['samples']} samples, {record['seconds']:.1f} s)",
+                       **common, **record["metrics"], samples=record["samples"], engine=record["engine"],
+                       started=record["started"], seconds=record["seconds"], table=str(table),
+                       **({"stderr": record["stderr"], "cut": record["cut"]} if "stderr" in record else {}))
         if self.log.trackers is None:
             return
         if not table.is_file():  # its checkpoint pruned meanwhile: the scores alone
@@ -87,9 +96,11 @@ def _local_copy(where: Location) -> Iterator[Path]:
         yield Path(tmp) / where.name
 
 
-def event_of(kind: str) -> str:
-    """The event of a record's kind ("result", "failure")."""
-    return "gen_eval" if kind == "result" else "gen_eval_failed"
+def event_of(kind: str, record: dict) -> str:
+    """The event of a record of kind "result" or "failure" (failed, timed out, or skipped)."""
+    if kind == "result":
+        return "gen_eval"
+    return "gen_eval_skipped" if record.get("kind") == "skipped" else "gen_eval_failed"
 
 
 def logged_records(metrics_path: Path) -> set[tuple[str, str, float]]:
@@ -130,12 +141,21 @@ def gen_scores(run_dir: Path | Location) -> list[dict]:
     return [row for row in read_metrics(run_dir) if row.get("event") in EVENTS]
 
 
+def scores_text(metrics: dict, stderr: dict | None = None) -> str:
+    """Each gen/<scorer> score, without its prefix, with its standard error where there is one."""
+    stderr = stderr or {}
+    return ", ".join(f"{k.removeprefix('gen/')} {v:.3f}" + (f" ± {stderr[k]:.3f}" if k in stderr else "")
+                     for k, v in metrics.items() if k.startswith("gen/"))
+
+
 def score_line(events: list[dict], eval_set: str) -> str:
     """The run's scores before and after: its first and last evaluated checkpoints (with eval.at_start, the first is
     the base at step 0), and how many evaluations failed."""
     done = [e for e in events if e["event"] == "gen_eval"]
-    failed = len(events) - len(done)
+    failed = sum(e["event"] == "gen_eval_failed" for e in events)
+    skipped = sum(e["event"] == "gen_eval_skipped" for e in events)
     note = f"; {failed} failed (gen_eval_failed in {METRICS_FILE})" if failed else ""
+    note += f"; {skipped} skipped while an earlier one ran (eval.every_checkpoint)" if skipped else ""
     if not done:
         return f"generation eval ({eval_set}): no checkpoint scored{note}"
 

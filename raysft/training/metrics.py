@@ -72,11 +72,12 @@ class MetricsLogger:
             self.trackers.close()
             self.trackers = None
 
-    def event(self, kind: str, **fields) -> None:
-        """A non-step record (start, resume, checkpoint), so a reader can tell repeated steps after a resume."""
+    def event(self, kind: str, line: str | None = None, **fields) -> None:
+        """A non-step record (start, resume, checkpoint), so a reader can tell repeated steps after a resume; on the
+        terminal, `line` if given (what a user reads of it), else its fields."""
         self._write({"event": kind, "time": time.time(), **fields})
         if self.path:
-            self._print(f"raysft: {kind} " + " ".join(f"{k}={v}" for k, v in fields.items()))
+            self._print(f"raysft: {kind} " + (line or " ".join(f"{k}={v}" for k, v in fields.items())))
 
     def step(self, step: int, metrics: dict, at: float | None = None) -> None:
         """The record of a step that ended at time `at` (default: now)."""
