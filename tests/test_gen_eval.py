@@ -300,6 +300,25 @@ def test_torchrun_evaluates_every_checkpoint_in_process_and_logs_each_once(lora_
         assert record["metrics"]["gen/contains"] == sum(r["scores"]["contains"] for r in rows) / 6
 
 
+def test_the_vllm_engine_reads_a_sharded_lora_checkpoint_from_an_export_on_the_runs_storage(lora_run):
+    """vLLM's engine runs on whichever GPU node Ray Data places it: a checkpoint that needs an export (sharded,
+    LoRA) gets it beside itself on the run's storage, which every node reads, merged and in bf16, for as long as the
+    evaluation runs; the hf engine loads it in its own process."""
+    from safetensors import safe_open
+
+    from raysft.evals.runner import VLLM_EXPORT, model_directory
+
+    ckpt = lora_run.run_dir / "checkpoint_00000004"
+    with model_directory(ckpt, "vllm") as model_dir:
+        assert Path(model_dir) == ckpt / "eval" / VLLM_EXPORT
+        assert (Path(model_dir) / "config.json").is_file() and not (Path(model_dir) / "adapter_config.json").exists()
+        with safe_open(Path(model_dir) / "model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert not (ckpt / "eval" / VLLM_EXPORT).exists()
+    with model_directory(ckpt, "hf") as model_dir:
+        assert Path(model_dir) == ckpt  # the hf engine loads it as `raysft chat` does, in this process
+
+
 def test_raysft_eval_on_the_sharded_lora_checkpoint_and_on_its_export(lora_run, tmp_path, monkeypatch):
     ckpt = lora_run.run_dir / "checkpoint_00000004"
     out = cli_in_process("eval", str(ckpt), lora_run.eval.path)  # no --config: the run's own settings, its record
