@@ -24,6 +24,7 @@ import raysft.checkpoint.sharded as ckpt_module
 from raysft import storage
 from raysft.checkpoint import MANIFEST_FILE, CheckpointError, ScratchSink, checkpoint_dirs, incomplete_reason
 from raysft.checkpoint.dcp_read import StorageReader
+from raysft.checkpoint.gen_record import run_records
 from raysft.config import ConfigError, TrainConfig, config_from_dict
 from raysft.data import prepare_store
 from raysft.data.tokenizer import load_tokenizer
@@ -218,7 +219,8 @@ def export_weights(checkpoint, out: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def runs(ray_cluster, s3_processes, tmp_path_factory):
     """An uninterrupted local run of 8 steps (without Ray: the same floats), and the same run on s3:// through Ray
-    in two launches: stopped at step 3 (sharded), then continued (full) to the end."""
+    in two launches: stopped at step 3 (sharded), then continued (full: rank 0 alone writes) to the end, with its
+    checkpoints' generation evaluation (Ray's validation task reading them from the bucket)."""
     from raysft.launch.torchrun import launch
 
     tmp = tmp_path_factory.mktemp("storage-runs")
@@ -228,7 +230,9 @@ def runs(ray_cluster, s3_processes, tmp_path_factory):
     s3_processes.run(launch, local)
     remote = s3_config(tmp, f"s3://{BUCKET}/e2e", **{**sets, "run.name": "remote"})
     results = [raysft.train(s3_config(tmp, f"s3://{BUCKET}/e2e", **{**sets, "run.name": "remote", **leg}))
-               for leg in ({"checkpoint.mode": "sharded", "train.stop_at_step": 3}, {"checkpoint.mode": "full"})]
+               for leg in ({"checkpoint.mode": "sharded", "train.stop_at_step": 3},
+                           {"checkpoint.mode": "full", "eval.path": "builtin:demo-eval", "eval.max_samples": 4,
+                            "eval.max_new_tokens": 4})]
     return SimpleNamespace(tmp=tmp, local=local, remote=remote, result=results[-1])
 
 
@@ -251,6 +255,10 @@ def test_a_run_on_s3_checkpoints_into_the_bucket_and_resumes_from_it_like_an_uni
     assert [(r["step"], r["checkpoint"]) for r in resumes] == [(3, f"{run_dir}/checkpoint_00000003")]
     assert step_losses(run_dir) == step_losses(runs.local.run_dir)  # same floats, steps 1..8 each once
     assert not (REPO / "s3:").exists()
+    # the second launch's checkpoints, evaluated from the bucket (or, saved while one ran, skipped), the last always
+    events = {m["step"]: m["event"] for m in records if m.get("event", "").startswith("gen_eval")}
+    assert events[8] == "gen_eval" and events.get(6) in ("gen_eval", "gen_eval_skipped"), events
+    assert {name for name, kind, _ in run_records(run_dir) if kind == "result"} >= {"checkpoint_00000008"}
 
 
 def test_export_reads_remote_checkpoints_of_both_modes_into_models_transformers_loads(runs):
