@@ -179,18 +179,17 @@ def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 def tokenizer_and_stops(model_dir: Path | str) -> tuple:
     """The model directory's tokenizer and the token ids generation stops at, as `raysft chat` takes them
-    (raysft.products.chat_model.stop_ids: generation_config.json's, and the chat template's end of turn)."""
+    (raysft.products.chat_model.stop_ids), without loading the weights."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from raysft.data.labels import stop_token_ids
+    from raysft.products.chat_model import stop_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     try:
-        configured = GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id
+        generation_config = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
     except OSError:  # no generation_config.json
-        configured = None
-    configured = configured if isinstance(configured, list) else [configured]
-    return tokenizer, list(dict.fromkeys([*(i for i in configured if i is not None), *stop_token_ids(tokenizer)]))
+        generation_config = None
+    return tokenizer, stop_ids(generation_config, tokenizer)
 
 
 def vllm_processor(model_source: str, settings: GenEvalConfig, stop_ids: list[int]):

@@ -138,9 +138,8 @@ def ray_sink(cfg: TrainConfig, rank: int, taken: frozenset[str]) -> Sink:
     def report(metrics: dict, ckpt: Path | None, step: int) -> None:
         name = location(cfg.run_dir) / checkpoint_name(step, taken)
         # every rank joins rank 0's decision (a rank that wrote no part of this checkpoint too); none without eval
-        validate = bool(cfg.eval.path) and from_rank0(lambda: ckpt is not None and evaluation_wanted(cfg, name, step))
-        validate = validate and ckpt is not None
-        ray_report(scored_metrics(metrics, score if ckpt else None), ckpt, step, taken, validate)
+        wanted = bool(cfg.eval.path) and from_rank0(lambda: ckpt is not None and evaluation_wanted(cfg, name, step))
+        ray_report(scored_metrics(metrics, score if ckpt else None), ckpt, step, taken, wanted and ckpt is not None)
 
     return ScratchSink(report, scratch_root(cfg.run.name, cfg.run_dir))
 

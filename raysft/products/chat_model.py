@@ -40,7 +40,8 @@ class ChatModel:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase):
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.stop_ids = stop_ids(model, tokenizer)
+        # a peft model passes its base model's generation config on
+        self.stop_ids = stop_ids(getattr(model, "generation_config", None), tokenizer)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ChatModel:
@@ -100,11 +101,10 @@ class ChatModel:
         return self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def stop_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """What generation stops at: the eos_token_id of the model's generation_config.json (an export writes the
-    template's end-of-turn tokens there; another model may list stops of its own) and, for a directory whose
-    generation config lacks them, the training template's end-of-turn tokens and EOS."""
-    generation_config = getattr(model, "generation_config", None)  # a peft model passes its base model's on
+    template's end-of-turn tokens there; another model may list stops of its own; None: none) and, for a directory
+    whose generation config lacks them, the training template's end-of-turn tokens and EOS."""
     configured = generation_config.eos_token_id if generation_config is not None else None
     configured = configured if isinstance(configured, list) else [configured]
     return list(dict.fromkeys([*(i for i in configured if i is not None), *stop_token_ids(tokenizer)]))
