@@ -114,10 +114,12 @@ def test_token_budget_and_varlen_config_errors(tmp_path, sets, key):
 
 
 def preemption_decisions(tmp_path, monkeypatch, deadline_at, stop_from: int = 10**9, steps: int = 14,
-                         step_s: float = 0.25) -> tuple[list, list[int]]:
-    """The Checkpointer's Due at each of `steps` steps of `step_s` seconds on a fake clock (rank 0 of 1, saves
-    taking no time), with Ray announcing the deadline `deadline_at(step, now)` (None: no notice) and a stop
-    requested from step `stop_from`; and the steps at which Ray was asked."""
+                         step_s: float = 0.25, save_s: float = 0.0, events: list | None = None
+                         ) -> tuple[list, list[int]]:
+    """The Checkpointer's Due at each of `steps` steps of `step_s` seconds on a fake clock (rank 0 of 1, the
+    notice's save measured at `save_s` seconds; the clock does not move for it), with Ray announcing the deadline
+    `deadline_at(step, now)` (None: no notice) and a stop requested from step `stop_from`; and the steps at which
+    Ray was asked. The events logged are appended to `events`."""
     from types import SimpleNamespace
 
     import raysft.checkpoint.checkpointer
@@ -130,9 +132,9 @@ def preemption_decisions(tmp_path, monkeypatch, deadline_at, stop_from: int = 10
     checkpointer = Checkpointer.__new__(Checkpointer)  # only the preemption state: no model or data
     checkpointer.rank, checkpointer.device = 0, torch.device("cpu")
     checkpointer.cfg = SimpleNamespace(every_n_steps=5)
-    checkpointer.log = SimpleNamespace(event=lambda *a, **k: None)
+    checkpointer.log = SimpleNamespace(event=lambda kind, **k: events is not None and events.append((kind, k)))
     checkpointer.preemption_deadline = lambda: asked.append(step) or deadline_at(step, clock.now)
-    checkpointer.deadline, checkpointer.last_chance_taken, checkpointer.save_s = None, False, 0.0
+    checkpointer.deadline, checkpointer.last_chance_taken, checkpointer.save_s = None, False, save_s
     checkpointer.stop_requested = lambda: step >= stop_from
     checkpointer.next_notice_check, checkpointer.checked_at = 0, (0, 0.0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -172,3 +174,15 @@ def test_a_preemption_deadline_gets_one_last_checkpoint_once_it_is_nearer_than_t
     decisions, _ = preemption_decisions(tmp_path, monkeypatch, lambda step, now: 3.25 if step >= 9 else None)
     assert [step for step, d in enumerate(decisions, 1) if d.preempted] == [9, 11]
     assert [step for step, d in enumerate(decisions, 1) if d.urgent] == [9, 11]
+
+
+def test_a_last_checkpoint_that_could_not_land_before_the_deadline_is_not_begun(tmp_path, monkeypatch):
+    """The same notice, but the notice's save took 1 s: at step 10 (t 2.5 s) two steps and a save reach past the
+    deadline, and a save begun then would end at t 3.5 s, after the node went. None is begun (the notice's
+    checkpoint stays the newest), and the log says why."""
+    events = []
+    decisions, _ = preemption_decisions(tmp_path, monkeypatch, lambda step, now: 3.25 if step >= 9 else None,
+                                        save_s=1.0, events=events)
+    assert [step for step, d in enumerate(decisions, 1) if d.preempted] == [9]
+    assert [(kind, k["step"]) for kind, k in events] == [("preemption_notice", 9), ("preemption_too_late_to_save", 10)]
+    assert events[1][1]["save_s"] == 1.0 and events[1][1]["seconds_left"] == 0.8

@@ -310,12 +310,18 @@ class Checkpointer:
         return self.deadline is not None, stop
 
     def _last_chance_due(self, step: int, step_s: float) -> bool:
-        """Collective once a notice came: whether the deadline is nearer than two more steps and a save."""
+        """Collective once a notice came: whether the deadline is nearer than two more steps and a save. Once it
+        is, the last chance is taken or let go: a save that the last one's time says would not land before the
+        node goes is not begun (the notice's checkpoint stays the newest)."""
         if self.deadline is None or self.last_chance_taken or math.isinf(self.deadline):
             return False
         if not any_rank(time.time() + 2 * (step_s + self.save_s) >= self.deadline):  # clocks differ a bit
             return False
         self.last_chance_taken = True
+        if any_rank(time.time() + self.save_s >= self.deadline):
+            self.log.event("preemption_too_late_to_save", step=step, seconds_left=self._seconds_left(),
+                           save_s=round(self.save_s, 1))
+            return False
         self.log.event("preemption_last_checkpoint", step=step, seconds_left=self._seconds_left())
         return True
 
