@@ -27,16 +27,20 @@ def exported_weights(checkpoint: Path, out: Path, **kw) -> dict[str, torch.Tenso
     return load_file(out / "model.safetensors")
 
 
-def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_for_bit(tmp_path, uninterrupted):
+def test_a_run_stopped_and_resumed_through_ray_past_a_torn_checkpoint_equals_the_uninterrupted_one(tmp_path,
+                                                                                                    uninterrupted):
     """Two launches of one run through Ray: sharded with async saves to step 6, then full to the end, the second
-    found by run name and resumed from the checkpoint Ray registered where the workers wrote it (no copy); the run
-    is the uninterrupted one, float for float, and logs and checkpoints what a Ray run should. (Three-leg mode
-    switches without Ray: tests/test_run.py.)"""
+    found by run name. Between them a shard of checkpoint 6 is cut short (as by a dying upload): export refuses
+    it, and the resume says so, skips it, and goes on from checkpoint 3, the newest whole one, registered by Ray
+    where the workers wrote it (no copy). The run is the uninterrupted one, float for float (steps 4 to 6 trained
+    again alike), logs and checkpoints what a Ray run should, and Ray's checkpoint.keep=2 prunes the torn one with
+    the others. (Three-leg mode switches without Ray: tests/test_run.py.)"""
     ref_losses, ref_weights = uninterrupted
     legs = [{"checkpoint.mode": "sharded", "checkpoint.async": True, "train.stop_at_step": 6},
             {"checkpoint.mode": "full"}]
+    torn = tmp_path / "runs" / "resumed" / "checkpoint_00000006"
     for sets in legs:
-        cfg = run_config(tmp_path, "resumed", **{"checkpoint.keep": 9, **sets})
+        cfg = run_config(tmp_path, "resumed", **{"checkpoint.keep": 2, **sets})
         result = raysft.train(cfg)
         stop = sets.get("train.stop_at_step", STEPS)
         ckpt = cfg.run_dir / f"checkpoint_{stop:08d}"
@@ -49,14 +53,21 @@ def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_
             assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state.json", "rng.safetensors"} <= \
                 set(files)
             assert not (ckpt / "model.safetensors").exists()
+            assert ckpt == torn
+            shard = torn / "__1_0.distcp"
+            shard.write_bytes(shard.read_bytes()[:-7])
+            with pytest.raises(CheckpointError, match="__1_0.distcp has .* bytes, the manifest says"):
+                raysft.export(torn, tmp_path / "never")
         else:
             assert (ckpt / "model.safetensors").is_file() and not list(ckpt.glob("*.distcp"))
 
     records = read_metrics(cfg.run_dir)
     assert [m["step"] for m in records if m.get("event") == "stop"] == [6]
+    skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
+    assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(torn) and "__1_0.distcp" in skipped[0]["reason"]
     resume = [i for i, m in enumerate(records) if m.get("event") == "resume"]
-    assert [records[i]["step"] for i in resume] == [6]
-    assert [m["step"] for m in records[resume[0]:] if "loss" in m] == list(range(7, STEPS + 1))
+    assert [records[i]["step"] for i in resume] == [3]
+    assert [m["step"] for m in records[resume[0]:] if "loss" in m] == list(range(4, STEPS + 1))
     steps = [m for m in records if "loss" in m]
     assert all(m["tokens"] > 0 and m["mfu"] is None for m in steps)  # no known peak on a CPU
     assert "eta_s" not in steps[0] and steps[4]["eta_s"] > 0  # the ETA needs one step's duration
@@ -67,40 +78,19 @@ def test_a_run_stopped_and_resumed_through_ray_equals_the_uninterrupted_one_bit_
             "tokenizer.json"} <= {p.name for p in ckpt.iterdir()}
     assert state["step"] == STEPS
     assert state["cursor"] == {"seed": 0, "epoch": 0, "consumed": STEPS * cfg.train.global_batch_size}
+    # the new step-6 checkpoint got its own directory beside the torn one; Ray kept the last two (the torn one
+    # counted among them while it was newest, and went as 9 and 12 came)
     assert sorted(p.name for p in cfg.run_dir.glob("checkpoint_*") if p.is_dir()) == \
-        [f"checkpoint_{s:08d}" for s in (3, 6, 9, 12)]
+        [f"checkpoint_{s:08d}" for s in (9, 12)]
+    assert all(incomplete_reason(p) is None for p in cfg.run_dir.glob("checkpoint_*") if p.is_dir())
     assert not (cfg.run_dir / ".staging").exists()
-    assert step_losses(cfg.run_dir) == ref_losses  # same floats, steps 1..12 each once
+    assert step_losses(cfg.run_dir) == ref_losses[:6] + ref_losses[3:]  # same floats; 4..6 twice, alike
     weights = exported_weights(Path(result.checkpoint.path), tmp_path / "hf")
     assert weights.keys() == ref_weights.keys()
     assert all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
-
-def test_resume_skips_an_incomplete_checkpoint_and_says_so_and_ray_prunes_it_not_the_good_ones(tmp_path):
-    first = run_config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 6,
-                                            "checkpoint.keep": 2})
-    raysft.train(first)
-    torn = first.run_dir / "checkpoint_00000006"
-    shard = torn / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:-7])  # a shard cut short, as by a dying upload
-    with pytest.raises(CheckpointError, match="__1_0.distcp has .* bytes, the manifest says"):
-        raysft.export(torn, tmp_path / "never")
-
-    raysft.train(run_config(tmp_path, "torn", **{"checkpoint.mode": "sharded", "train.stop_at_step": 7,
-                                             "checkpoint.keep": 2}))
-    records = read_metrics(first.run_dir)
-    skipped = [m for m in records if m.get("event") == "skipped_incomplete_checkpoint"]
-    assert len(skipped) == 1 and skipped[0]["checkpoint"] == str(torn) and "__1_0.distcp" in skipped[0]["reason"]
-    assert [m["step"] for m in records if m.get("event") == "resume"] == [3]
-    # steps 4..6 are trained again; the new step-6 checkpoint gets its own directory beside the torn one. The torn
-    # one took a place among Ray's checkpoint.keep=2 (it was registered whole): Ray deleted the step-3 one only once
-    # 6.1 was registered, and the torn one once 7 was, so a complete checkpoint was there all along.
-    assert sorted(p.name for p in first.run_dir.glob("checkpoint_*") if p.is_dir()) == \
-        ["checkpoint_00000006.1", "checkpoint_00000007"]
-    assert all(incomplete_reason(p) is None for p in first.run_dir.glob("checkpoint_*") if p.is_dir())
-
     # a flipped byte keeps the size; the checksum catches it, for export and (through the same check) for resume
-    rng = first.run_dir / "checkpoint_00000007" / "rng.safetensors"
+    rng = ckpt / "rng.safetensors"
     data = bytearray(rng.read_bytes())
     data[-1] ^= 0xFF
     rng.write_bytes(bytes(data))

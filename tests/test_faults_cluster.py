@@ -25,7 +25,7 @@ from fault_injection import COORDINATOR_TICK_S, FAULTS_ENV, arm
 from safetensors.torch import load_file
 
 import raysft
-from raysft.checkpoint import CheckpointSaveError, checkpoint_dirs
+from raysft.checkpoint import checkpoint_dirs
 from raysft.config import ConfigError
 from raysft.launch.ray_driver import CannotPlaceWorkers
 from raysft.training.metrics import read_metrics
@@ -201,61 +201,6 @@ def recovery(run_dir: Path, fault_time: float, fault: str, how: str, every: int 
     return row
 
 
-def test_a_worker_killed_mid_step_resumes_from_the_memory_tier_not_the_last_checkpoint(tmp_path, nodes, reference,
-                                                                                       cluster):
-    """With a snapshot in memory every step, the restarted worker group goes on from the step before the fault
-    (a snapshot still being written when the worker died: the one before), not from the last stored checkpoint,
-    and the run is the uninterrupted one, bit for bit. Its snapshots are gone once it ended. On uneven nodes
-    (4 workers on nodes of 2, 1 and 1 CPUs, as Ray fills each node before the next): before, the ranks whose
-    partner waited for another rank's copy hung the tier, and the run's end, until gloo's timeout."""
-    ref = reference(4)
-    nodes(2), nodes(1), nodes(1)
-    wait_for(lambda: ray.available_resources().get("CPU", 0) >= 4, 60, "4 free CPUs")
-    shm = tmp_path / "shm"
-    cfg = config(tmp_path, "sigkill", **{"scaling.num_workers": 4, "checkpoint.memory_every_n_steps": 1,
-                                         "checkpoint.memory_dir": str(shm)})
-    run = Background(cfg)
-    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
-    os.kill(train_worker_pids()[-1], signal.SIGKILL)
-    fault_time = time.time()
-    result = run.join()
-    row = recovery(cfg.run_dir, fault_time, "worker killed mid-step (memory tier every step)",
-                   "SIGKILL to one train worker", every=1)
-    resume = next(m for m in read_metrics(cfg.run_dir) if m.get("event") == "resume")
-    assert resume["tier"] == "memory" and 0 <= row["steps_lost"] <= 2, row
-    # keep=2, whether or not Ray had collected the report of checkpoint 6 before the worker died
-    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ray_tracked(cfg.run_dir) == \
-        ["checkpoint_00000018", "checkpoint_00000024"]
-    assert_same_run(cfg, result, ref)
-    assert not shm.exists() or [p.name for p in shm.iterdir()] == [".raysft.lock"]
-    assert not [m for m in read_metrics(cfg.run_dir) if m.get("event") == "memory_tier_off"]
-
-
-def test_a_worker_killed_mid_save_leaves_no_checkpoint_that_is_used(tmp_path, nodes, reference, cluster):
-    """Then, after the resume, rank 0 exits once checkpoint 18 is complete but before Ray registers it: the run
-    resumes from 18, registers it, and the directory still ends at checkpoint.keep (Ray alone prunes)."""
-    ref = reference(2)
-    nodes()
-    arm(cluster.faults, "pause_in_save", step=2 * EVERY)
-    arm(cluster.faults, "exit_before_report", step=3 * EVERY)  # reached only after the first resume
-    cfg = config(tmp_path, "midsave")
-    run = Background(cfg)
-    paused = wait_for(lambda: (cluster.faults / "paused.json").is_file() and
-                      json.loads((cluster.faults / "paused.json").read_text()), 300, "a save to pause")
-    assert Path(paused["part"]).is_dir()  # rank 0 wrote its part; no manifest, not reported
-    os.kill(paused["pid"], signal.SIGKILL)
-    fault_time = time.time()
-    result = run.join()
-    row = recovery(cfg.run_dir, fault_time, "worker killed mid-save", "SIGKILL to rank 0 inside a checkpoint save")
-    assert row["resumed_from"] == EVERY and row["steps_lost"] == EVERY  # the step-12 save never counted
-    assert not Path(paused["part"]).exists()  # the relaunched workers cleared the dead save's part
-    assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [EVERY, 3 * EVERY]
-    # keep=2 of 6, 12 (saved again after resuming), 18 (its report lost), 24; Ray's snapshot names the same two
-    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ray_tracked(cfg.run_dir) == \
-        ["checkpoint_00000018", "checkpoint_00000024"]
-    assert_same_run(cfg, result, ref)
-
-
 def ray_tracked(run_dir: Path) -> list[str]:
     """The checkpoints Ray Train's snapshot of the run names (those it prunes, and needs at the next launch)."""
     snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
@@ -282,59 +227,78 @@ def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_p
     (cluster.faults / "slow_steps.json").unlink()
     result = run.join()
     records = read_metrics(cfg.run_dir)
-    last = next(m for m in records if m.get("event") == "preemption_last_checkpoint")
-    saved = [m["step"] for m in records if m.get("event") == "checkpoint"]
-    assert saved[:2] == [notice["step"], last["step"]] and 0 < last["seconds_left"] < notice["seconds_left"] <= 8
+    first_resume = next(i for i, m in enumerate(records) if m.get("event") == "resume")
+    saved = [m["step"] for m in records[:first_resume] if m.get("event") == "checkpoint"]
+    assert saved[0] == notice["step"] and 0 < notice["seconds_left"] <= 8
     row = recovery(cfg.run_dir, fault_time, "node preempted (announced)",
                    "ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 8")
-    # not step 0 (checkpoint.every_n_steps is 100); the steps run after it depend on this machine's clock, and
-    # when the last chance comes is checked on a fake one in test_trainer_modes
-    assert row["resumed_from"] == last["step"] <= row["last_step_before"]
+    # not step 0 (checkpoint.every_n_steps is 100): the newest checkpoint saved before the node went, the notice's
+    # or a last chance's. Whether a last chance fits before the deadline depends on this machine's clock; when it
+    # comes, and when it is let go, is checked on a fake clock in test_trainer_modes
+    assert row["resumed_from"] == saved[-1] <= row["last_step_before"]
     assert_same_run(cfg, result, ref)
 
 
-def test_elastic_run_shrinks_when_a_node_is_lost_and_grows_back_when_one_returns_from_memory(tmp_path, nodes,
-                                                                                             reference, cluster):
-    """A node of 4 workers' run lost for good, scaling.min_workers 2: the run goes on on the 2 left from the
-    snapshot in memory, cut again for 2 (the lost node's parts from their copies on the node left); a node added
-    later: Ray grows the group back to 4, which goes on from the snapshot cut again for 4. Each change of width
-    costs at most the step in flight, and the run equals the run stopped at those steps and relaunched on 2, then
-    on 4, from its stored checkpoints, bit for bit. Before, each change resumed from the stored checkpoint: the
-    snapshots, cut for another width, were refused."""
-    _, b = nodes(), nodes()
+def test_a_killed_worker_then_a_lost_node_then_a_new_one_each_cost_at_most_a_step_from_memory(tmp_path, nodes,
+                                                                                                reference, cluster):
+    """One elastic run of 4 workers with a snapshot in memory every step (scaling.min_workers 2), on uneven nodes
+    (2, 1 and 1 CPUs: Ray fills each node before the next), through three faults in turn:
+    - a train worker killed mid-step: the restarted group of 4 goes on from the snapshot of the step before (or
+      of the one before it, if the fault came while it was written), not from the last stored checkpoint.
+      Before, on such nodes, the ranks whose partner waited for another rank's copy hung the tier, and the run's
+      end, until gloo's timeout;
+    - the node of 2 lost for good: the run goes on on the 2 left from the snapshot cut again for 2 (the lost
+      node's parts from their copies on the nodes left);
+    - a node added: Ray grows the group back to 4, which goes on from the snapshot cut again for 4.
+    Each costs at most the step in flight. The run equals the run stopped at the changes of width and relaunched
+    on 2, then on 4, from its stored checkpoints, bit for bit; its checkpoints are those Ray tracks, pruned to
+    checkpoint.keep; no snapshot is left on any node."""
+    b, _, _ = nodes(2), nodes(1), nodes(1)
     wait_for(lambda: ray.available_resources().get("CPU", 0) >= 4, 60, "4 free CPUs")  # else Ray starts with fewer
     # Ray Train's elastic policy sizes the group from Ray's AutoscalingCoordinator, which refreshes its view of the
     # nodes once per tick: without a tick since the nodes came, it sees too few and starts with fewer workers
     # (fault_injection makes the tick 1 s in these tests' workers)
     time.sleep(COORDINATOR_TICK_S + 1)
+    steps = 30  # room after the second fault for Ray to see the new node before the run ends
     sets = {"scaling.min_workers": 2, "train.micro_batch_size": 1, "train.global_batch_size": 12,
-            "scaling.resize_interval_s": 2}
+            "scaling.resize_interval_s": 2, "train.max_steps": steps}
     shm = tmp_path / "shm"
     cfg = config(tmp_path, "elastic", **{"scaling.num_workers": 4, "checkpoint.memory_every_n_steps": 1,
                                          "checkpoint.memory_dir": str(shm), **sets})
     run = Background(cfg)
-    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 3, 300, "step 9")
+    wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+    os.kill(train_worker_pids()[-1], signal.SIGKILL)
+    kill_time = time.time()
+    wait_for(lambda: world_sizes(cfg.run_dir)[1:2] and last_step(cfg.run_dir) >= 2 * EVERY + 2, 300,
+             "step 14 after the resume on 4 workers")
     cluster.remove_node(b, allow_graceful=False)
-    fault_time = time.time()
-    shrunk = wait_for(lambda: world_sizes(cfg.run_dir)[1:2], 300, "the resume on 2 workers")
+    lost_time = time.time()
+    shrunk = wait_for(lambda: world_sizes(cfg.run_dir)[2:3], 300, "the resume on 2 workers")
     arm(cluster.faults, "slow_steps", seconds=2)  # room for Ray to notice the node before the run ends
     nodes()
     grow_time = time.time()
-    wait_for(lambda: world_sizes(cfg.run_dir)[2:3], 300, "the resume on 4 workers")
+    wait_for(lambda: world_sizes(cfg.run_dir)[3:4], 300, "the resume on 4 workers")
     (cluster.faults / "slow_steps.json").unlink()
     result = run.join()
     records = read_metrics(cfg.run_dir)
-    assert world_sizes(cfg.run_dir) == [4, 2, 4] and shrunk == [2]
+    assert world_sizes(cfg.run_dir) == [4, 4, 2, 4] and shrunk == [2]
     resumes = [m for m in records if m.get("event") == "resume"]
-    assert [m.get("tier") for m in resumes] == ["memory", "memory"], resumes
+    assert [m.get("tier") for m in resumes] == ["memory"] * 3, resumes
     assert not [m for m in records if m.get("event") in ("memory_tier_not_used", "memory_tier_off")]
-    lost = recovery(cfg.run_dir, fault_time, "node lost, none to replace it (elastic, memory tier every step)",
-                    "remove_node with scaling.min_workers=2 of 4")
+    killed = recovery(cfg.run_dir, kill_time, "worker killed mid-step (memory tier every step)",
+                      "SIGKILL to one train worker", every=1)
+    lost = recovery(cfg.run_dir, lost_time, "node lost, none to replace it (elastic, memory tier every step)",
+                    "remove_node with scaling.min_workers=2 of 4", every=1)
     grown = recovery(cfg.run_dir, grow_time, "a node returns (elastic, memory tier every step)",
-                     "add_node: Ray grows the group from 2 to 4")
-    assert lost["steps_lost"] <= 1 and grown["steps_lost"] <= 1, (lost, grown)
-    assert [s for s, _ in final_losses(cfg.run_dir)] == list(range(1, STEPS + 1))
-    assert Path(result.checkpoint.path).name == f"checkpoint_{STEPS:08d}"
+                     "add_node: Ray grows the group from 2 to 4", every=1)
+    # the snapshot of the step before the fault, or of the one before it (still being written when it came)
+    assert 0 <= killed["steps_lost"] <= 2 and lost["steps_lost"] <= 1 and grown["steps_lost"] <= 1, \
+        (killed, lost, grown)
+    assert [s for s, _ in final_losses(cfg.run_dir)] == list(range(1, steps + 1))
+    assert Path(result.checkpoint.path).name == f"checkpoint_{steps:08d}"
+    # keep=2, whether or not Ray had collected a report before a fault
+    assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ray_tracked(cfg.run_dir) == \
+        [f"checkpoint_{steps - EVERY:08d}", f"checkpoint_{steps:08d}"]
     assert not shm.exists() or [p.name for p in shm.iterdir()] == [".raysft.lock"]  # every node's snapshots gone
     widths = ((lost["resumed_from"], 2), (grown["resumed_from"], 4))
     assert_same_run(cfg, result, reference(4, widths, **sets))
@@ -366,14 +330,18 @@ def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_pat
         ray.kill(squatter)
 
 
-def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_accident(tmp_path, nodes,
-                                                                                          reference, cluster,
-                                                                                          gloo_pool):
-    """One run through four faults a user meets in turn. The `raysft train` process is killed at step 8; the same
-    command again resumes. That relaunch meets a full disk in its step-18 save: the run ends at once, not retried,
-    keeping checkpoint 12 and nothing of the failed save. Launched once more (space freed), it resumes from
-    checkpoint 12 and ends as the uninterrupted run, bit for bit. Then a launch with another seed is refused without
-    writing anything, and --fresh keeps the old run beside the new one."""
+def test_a_killed_driver_then_a_worker_killed_mid_save_then_one_lost_before_its_report_resume_exactly(
+        tmp_path, nodes, reference, cluster, gloo_pool):
+    """One run through the faults a user meets in turn, each resumed from the newest checkpoint that is whole:
+    - the `raysft train` process killed at step 8 (its workers held first, so that the checkpoint it reached is
+      known: 6): the same command again resumes from checkpoint 6;
+    - that launch's rank 0 killed inside the step-12 save, its part written, no manifest, not reported: Ray
+      restarts the workers, which clear the dead save's part and resume from 6 again;
+    - rank 0 exits once checkpoint 18 is complete but before Ray registers it: the run resumes from 18 and
+      registers it.
+    The run is the uninterrupted one, bit for bit, and its directory ends at checkpoint.keep, as Ray's snapshot
+    has it (Ray alone prunes). Then a launch with another seed is refused without writing anything, and --fresh
+    keeps the old run beside the new one."""
     ref = reference(2)
     nodes()
     cfg = config(tmp_path, "driver")
@@ -384,31 +352,39 @@ def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: last_step(cfg.run_dir) >= EVERY + 2, 300, "step 8")
+        for pid in train_worker_pids():
+            os.kill(pid, signal.SIGSTOP)
     finally:
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-    fault_time = time.time()
+    driver_time = time.time()
     wait_for(lambda: not train_worker_pids(), 120, "Ray to end the dead driver's workers")
 
-    with promise("a relaunch after a full disk in a save ends at once, not retried, keeping the last good one"):
-        arm(cluster.faults, "disk_full", step=3 * EVERY)  # past the checkpoint the killed driver may have reached
-        with pytest.raises(CheckpointSaveError, match=r"driver/.staging/checkpoint_00000018: writing the checkpoint "
-                                                      r"of step 18 failed on 1 rank.*No space left on device: "
-                                                      r".*model.safetensors"):
-            raysft.train(cfg)  # the same command again
-        records = read_metrics(cfg.run_dir)
-        assert [m["event"] for m in records if m.get("event") in ("start", "resume")] == ["start", "resume"]
-        assert last_step(cfg.run_dir) == 3 * EVERY
-        assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000006", "checkpoint_00000012"]
-        assert not (cfg.run_dir / ".staging").exists()  # nothing of the failed save is left
+    arm(cluster.faults, "pause_in_save", step=2 * EVERY)
+    arm(cluster.faults, "exit_before_report", step=3 * EVERY)  # reached only after the resume from the save
+    run = Background(cfg)  # the same command again
+    paused = wait_for(lambda: (cluster.faults / "paused.json").is_file() and
+                      json.loads((cluster.faults / "paused.json").read_text()), 300, "a save to pause")
+    assert Path(paused["part"]).is_dir()  # rank 0 wrote its part; no manifest, not reported
+    os.kill(paused["pid"], signal.SIGKILL)
+    save_time = time.time()
+    result = run.join()
 
-    with promise("each relaunch resumes from the last good checkpoint, and the run is the uninterrupted one"):
-        result = raysft.train(cfg)  # space freed: the same command once more
-        row = recovery(cfg.run_dir, fault_time, "driver killed",
-                       "SIGKILL to the `raysft train` process; launched again")
-        assert 0 <= row["steps_lost"] < EVERY + 2
-        assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"][-1] == 2 * EVERY
+    with promise("each launch and each restart resumes from the newest whole checkpoint"):
+        driver_row = recovery(cfg.run_dir, driver_time, "driver killed",
+                              "SIGKILL to the `raysft train` process; launched again")
+        save_row = recovery(cfg.run_dir, save_time, "worker killed mid-save",
+                            "SIGKILL to rank 0 inside a checkpoint save")
+        assert driver_row["resumed_from"] == EVERY, driver_row
+        assert save_row["resumed_from"] == EVERY and save_row["steps_lost"] == EVERY  # the step-12 save never counted
+        assert not Path(paused["part"]).exists()  # the relaunched workers cleared the dead save's part
+        assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == \
+            [EVERY, EVERY, 3 * EVERY]
         assert_same_run(cfg, result, ref)
+
+    with promise("the run directory keeps checkpoint.keep checkpoints, those Ray tracks"):
+        assert [p.name for p in checkpoint_dirs(cfg.run_dir)] == ray_tracked(cfg.run_dir) == \
+            [f"checkpoint_{STEPS - EVERY:08d}", f"checkpoint_{STEPS:08d}"]
 
     with promise("a launch that would overwrite the run by accident is refused, and writes nothing"):
         before = sorted(p.name for p in cfg.run_dir.rglob("*"))
@@ -421,6 +397,6 @@ def test_a_killed_driver_is_resumed_by_launching_again_and_never_overwritten_by_
 
         gloo_pool.run(launch, config(tmp_path, "driver", **{"train.seed": 1, "train.max_steps": 2}), True)
         kept = list(cfg.run_dir.parent.glob("driver.replaced-*"))
-        assert len(kept) == 1 and (kept[0] / "checkpoint_00000024").is_dir()
+        assert len(kept) == 1 and (kept[0] / f"checkpoint_{STEPS:08d}").is_dir()
         assert [m["event"] for m in read_metrics(cfg.run_dir) if "event" in m][0] == "start"
         assert last_step(cfg.run_dir) == 2

@@ -1,8 +1,8 @@
 """Errors no relaunch changes (raysft.errors.ends_the_run), met inside the ranks: the run ends on the first
 occurrence and the user reads one line, no rank's traceback. Ray-free: the torchrun entry's launch
 (raysft.launch.torchrun.run_launch) on the suite's gloo pair. Under Ray the same errors end the run without a
-restart, as one line: tests/test_train_ray.py::
-test_a_diverged_run_ends_on_the_driver_with_its_error_not_retried_and_no_nan_checkpoint."""
+restart, as one line: tests/test_storage.py::
+test_a_diverged_run_on_s3_ends_on_the_driver_through_the_bucket_not_retried_with_no_nan_checkpoint."""
 
 import contextlib
 import io

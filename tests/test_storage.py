@@ -22,7 +22,7 @@ import raysft
 import raysft.checkpoint.manifest as manifest_module
 import raysft.checkpoint.sharded as ckpt_module
 from raysft import storage
-from raysft.checkpoint import MANIFEST_FILE, CheckpointError, ScratchSink, checkpoint_dirs, incomplete_reason
+from raysft.checkpoint import MANIFEST_FILE, ScratchSink, checkpoint_dirs, incomplete_reason
 from raysft.checkpoint.dcp_read import StorageReader
 from raysft.checkpoint.gen_record import run_records
 from raysft.config import ConfigError, TrainConfig, config_from_dict
@@ -308,18 +308,25 @@ def test_a_sharded_checkpoint_on_s3_is_read_by_each_rank_from_storage_not_downlo
         assert 0.9 * own < seen["bytes_read"] < 1.1 * own < 0.6 * total, (rank, seen["bytes_read"], sizes)
 
 
-def test_a_config_error_in_the_workers_reaches_the_driver_through_the_bucket(tmp_path, prefix, ray_cluster):
-    """HYBRID_SHARD without parallel.hsdp_shard_size on one host (one Ray node, or logical nodes sharing its IP):
-    the workers refuse the layout, naming the fix; each leaves the error in raysft_error.<rank>.json on s3://, and
-    the driver raises it instead of Ray retrying: `raysft train` prints it as its one line."""
-    cfg = s3_config(tmp_path, prefix, **{"scaling.num_workers": 4, "parallel.sharding": "HYBRID_SHARD",
-                                         "train.micro_batch_size": 2, "train.global_batch_size": 8})
-    train_ends_in_one_line(cfg, tmp_path / "hybrid.yaml", 2, r"raysft: config error: .*HYBRID_SHARD on one node "
-                                                             r".*node 0: 4.* set parallel.hsdp_shard_size.*")
+def test_a_diverged_run_on_s3_ends_on_the_driver_through_the_bucket_not_retried_with_no_nan_checkpoint(
+        tmp_path, prefix, ray_cluster):
+    """train.lr=1e20 on s3:// through `raysft train`: the workers' TrainingDivergedError, a run-ending error, is
+    left in raysft_error.<rank>.json in the bucket; the driver raises it instead of Ray retrying (scaling.max_failures
+    3: no second start), and the terminal shows it as its one line. Every checkpoint Ray kept holds finite weights.
+    (Which errors end a run: test_run_ending.py; the layout errors the workers meet: test_layout.py.)"""
+    cfg = s3_config(tmp_path, prefix, **{"train.lr": 1e20, "train.warmup_steps": 0, "train.max_steps": 12,
+                                         "checkpoint.every_n_steps": 2, "checkpoint.mode": "full",
+                                         "train.max_skipped_steps": 3, "scaling.max_failures": 3})
+    train_ends_in_one_line(cfg, tmp_path / "diverged.yaml", 1, r"raysft: error: TrainingDivergedError: step \d+: 3 "
+                                                               r"steps in a row skipped .* non-finite loss.*")
     records = [json.loads(f.read_text()) for f in cfg.run_dir.children() if f.name.startswith(RUN_ENDING_PREFIX)]
-    assert records and all(r["type"] == "ConfigError" for r in records)
-    with pytest.raises(CheckpointError, match="no manifest.json|unreadable trainer state"):
-        raysft.export(f"{cfg.run_dir}/checkpoint_00000001", tmp_path / "never")
+    assert records and all(r["type"] == "TrainingDivergedError" for r in records), records
+    assert [r["event"] for r in read_metrics(cfg.run_dir) if r.get("event") in ("start", "resume")] == ["start"]
+    kept = checkpoint_dirs(cfg.run_dir)
+    assert kept
+    for ckpt in kept:
+        weights = load_file(raysft.export(str(ckpt), tmp_path / ckpt.name) / "model.safetensors")
+        assert all(torch.isfinite(w).all() for w in weights.values()), ckpt.name
 
 
 @pytest.fixture(scope="module")
