@@ -61,6 +61,7 @@ def launch_on_own_node(ctx, cfg, fresh: bool = False, die_after: int = 0) -> dic
 
 # where each function of the tier a test replaces is looked up
 TIER_FUNCTIONS = {"write_part": "raysft.checkpoint.memory.tier", "map_new": "raysft.checkpoint.memory.transport",
+                  "map_file": "raysft.checkpoint.memory.transport",
                   "write_bytes": "raysft.checkpoint.memory.files"}
 
 

@@ -1,6 +1,7 @@
 """The memory tier (checkpoint.memory_every_n_steps) under plain torch.distributed, its faults and resumes:
 tests/memory_tier_support.py says how nodes and faults are stood in for."""
 
+import errno
 import json
 import os
 import shutil
@@ -80,7 +81,12 @@ def launch_with_short_memory(ctx, cfg, failing_rank: int, where: str, at_step: i
             raise no_room(path)
         return real(path, size)
 
-    with tier_patched(write_part=write, map_new=map_new):
+    def map_file(real, path):  # its own file gone as it is sent (where="read"), as a reclaim by mistake leaves it
+        if ctx.rank == failing_rank and where == "read" and step_of.get("now") == at_step:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return real(path)
+
+    with tier_patched(write_part=write, map_new=map_new, map_file=map_file):
         return launch_on_own_node(ctx, cfg)
 
 
@@ -236,25 +242,29 @@ def test_with_no_room_for_a_part_sent_at_the_resume_the_stored_checkpoint_is_use
     shutil.rmtree(node_dir(cfg, "node1"))  # rank 1's part of step 8 is on node 0 only: it must be sent over
     gloo_pool.run(launch_without_room_to_receive, cfg)
     records = read_metrics(cfg.run_dir)
-    assert [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"] == [
-        f"rank 1 has no room for its part of step {FAULT_AT}: OSError: [Errno 28] No space left on device: "
-        f"'{node_dir(cfg, 'node1')}/step_{FAULT_AT:08d}/rank_1.safetensors'"]
+    no_room = [f"rank 1 has no room for its part of step {step}: OSError: [Errno 28] No space left on device: "
+               f"'{node_dir(cfg, 'node1')}/step_{step:08d}/rank_1.safetensors'" for step in (FAULT_AT, FAULT_AT - 1)]
+    # step 8 set aside, then step 7 (node 0 holds it whole too), for the same want of room
+    assert [(m["step"], m["reason"]) for m in records if m.get("event") == "memory_snapshot_set_aside"] == \
+        list(zip((FAULT_AT, FAULT_AT - 1), no_room, strict=True))
+    assert [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"] == ["; ".join(no_room)]
     assert [m["step"] for m in records if m.get("event") == "resume"] == [6]
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
-@pytest.mark.parametrize("failing_rank, where", [(1, "own"), (0, "copy")])
+@pytest.mark.parametrize("failing_rank, where", [(1, "own"), (0, "copy"), (0, "read")])
 def test_host_memory_short_on_one_rank_turns_the_tier_off_on_every_rank_and_the_run_goes_on(
         tmp_path, gloo_pool, uninterrupted, failing_rank, where):
-    """One rank's snapshot of step 5 fails for want of room (its own file, or the copy of its partner's): no rank
-    waits for it, every rank stops taking snapshots, the log says once which rank failed and why, and the run ends
-    as the run without the tier does, leaving nothing behind."""
+    """One rank's snapshot of step 5 fails for want of room (its own file, or the copy of its partner's), or its
+    file is gone as it is sent: no rank waits for it, every rank stops taking snapshots, the log says once which
+    rank failed and why, and the run ends as the run without the tier does, leaving nothing behind. (Before, the
+    partner of a rank whose file was gone waited for it until memory_timeout_s, then the run failed.)"""
     cfg = memory_config(tmp_path, "short")
     written = tmp_path / "written.txt"
     gloo_pool.run(launch_with_short_memory, cfg, failing_rank, where, 5, written)
     off = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "memory_tier_off"]
-    assert len(off) == 1 and off[0]["reason"].startswith(
-        f"rank {failing_rank} (node{failing_rank}): OSError: [Errno 28] No space left")
+    error = "FileNotFoundError: [Errno 2]" if where == "read" else "OSError: [Errno 28] No space left"
+    assert len(off) == 1 and off[0]["reason"].startswith(f"rank {failing_rank} (node{failing_rank}): {error}")
     steps = [int(line.split()[1]) for line in written.read_text().splitlines()]
     assert max(steps) == 5 and sorted(set(steps)) == [2, 3, 4, 5]  # seen at step 6's check: none after
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")

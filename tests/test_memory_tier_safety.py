@@ -3,6 +3,7 @@ directories other users share, parts a fault, a bug or another launch left, and 
 in for lost ranks. Each test fails without the fix it names. tests/memory_tier_support.py says how nodes and faults
 are stood in for."""
 
+import errno
 import fcntl
 import os
 import shutil
@@ -171,6 +172,64 @@ def test_a_snapshot_with_an_unsound_trainer_state_or_nan_is_never_resumed_from(t
     assert not_used["reason"] == f"rank 0: {part(cfg, 'node0', FAULT_AT - 1, 0)}: model.model.norm.weight holds " \
                                  f"non-finite values (the snapshot of step {FAULT_AT - 1} is set aside)"
     assert resumes(cfg) == [(6, None)]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
+def nan_in_norm(tensors: dict) -> dict:
+    return {**tensors, "model.model.norm.weight": tensors["model.model.norm.weight"].clone().fill_(float("nan"))}
+
+
+def test_a_rejected_part_is_read_again_from_its_other_copy_then_the_step_before_is_tried(tmp_path, gloo_pool,
+                                                                                       uninterrupted, faulted):
+    """Two continuations of the fault. Rank 0's part of step 8 holds NaN on its own node only: it is set aside,
+    named, and rank 0 reads the copy on node 1 (sent over): the run resumes from step 8. Then the copy holds NaN
+    too: step 8 has no sound part of rank 0 left, and the run resumes from step 7, which every node still holds
+    whole, not from the stored checkpoint of step 6. Before, the first rejection went to the stored checkpoint."""
+    one = continue_copy(faulted, tmp_path / "one")
+    rewrite_part(part(one, "node0", FAULT_AT, 0), tensors=nan_in_norm)
+    gloo_pool.run(launch_on_own_node, one)
+    nan = f"rank 0: {part(one, 'node0', FAULT_AT, 0)}: model.model.norm.weight holds non-finite values " \
+          f"(the snapshot of step {FAULT_AT} is set aside)"
+    assert [(m["step"], m["reason"]) for m in events(one, "memory_snapshot_set_aside")] == [(FAULT_AT, nan)]
+    assert resumes(one) == [(FAULT_AT, "memory")] and not events(one, "memory_tier_not_used")
+    assert_same_run(one, uninterrupted, tmp_path / "one" / "hf")
+
+    both = continue_copy(faulted, tmp_path / "both")
+    for node in ("node0", "node1"):
+        rewrite_part(part(both, node, FAULT_AT, 0), tensors=nan_in_norm)
+    gloo_pool.run(launch_on_own_node, both)
+    assert [m["step"] for m in events(both, "memory_snapshot_set_aside")] == [FAULT_AT, FAULT_AT]
+    assert resumes(both) == [(FAULT_AT - 1, "memory")] and not events(both, "memory_tier_not_used")
+    assert_same_run(both, uninterrupted, tmp_path / "both" / "hf")
+
+
+def launch_with_a_copy_gone_when_sent(ctx, cfg, step: int) -> dict:
+    """A launch whose rank 1, holding a part of `step`, finds it gone as it starts to send it (once)."""
+    gone = []
+
+    def map_file(real, path):
+        if ctx.rank == 1 and f"step_{step:08d}" in str(path) and not gone:
+            gone.append(path)
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+        return real(path)
+
+    with tier_patched(every_snapshot=False, map_file=map_file):
+        return launch_on_own_node(ctx, cfg)
+
+
+def test_a_part_that_cannot_be_sent_at_the_resume_sets_its_step_aside_and_never_crashes_the_launch(
+        tmp_path, gloo_pool, uninterrupted, faulted):
+    """Rank 0's own part of step 8 is gone (its node lost it), so the copy on node 1 must be sent, and node 1 finds
+    that copy gone as it starts: every rank hears it, step 8 is set aside with node 1's reason, and the run resumes
+    from step 7, whole on both nodes. Before, the holder's error left the launch, on every restart."""
+    cfg = continue_copy(faulted, tmp_path)
+    part(cfg, "node0", FAULT_AT, 0).unlink()
+    gloo_pool.run(launch_with_a_copy_gone_when_sent, cfg, FAULT_AT)
+    copy = part(cfg, "node1", FAULT_AT, 0)
+    assert [(m["step"], m["reason"]) for m in events(cfg, "memory_snapshot_set_aside")] == [
+        (FAULT_AT, f"rank 1 could not read {copy} to send it: FileNotFoundError: [Errno 2] No such file or "
+                   f"directory: '{copy}'")]
+    assert resumes(cfg) == [(FAULT_AT - 1, "memory")]
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 

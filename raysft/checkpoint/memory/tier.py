@@ -11,8 +11,9 @@ step beside the one being written (.directory).
 Resume (collective): every rank lists what its node holds; the newest step of which one launch attempt left every
 rank's part somewhere, cut for this launch's layout, wins if it is newer than the stored checkpoint; parts on
 other nodes are sent to their ranks; each rank loads and checks its part (it fits the model, holds no NaN or
-inf, its trainer state is sound), and only if every rank's does is it applied. Anything else falls back to the
-stored checkpoint, with the reason in the log (`memory_tier_not_used`).
+inf, its trainer state is sound), and only if every rank's does is it applied. A part that fails, or cannot be
+sent, is set aside and the step tried with another copy, then the step before; when none is left, the stored
+checkpoint is used, with the reasons in the log (`memory_snapshot_set_aside`, `memory_tier_not_used`).
 """
 
 from __future__ import annotations
@@ -245,37 +246,71 @@ class MemoryTier:
     def find(self, stored: int | None) -> Found | None:
         """Collective: the newest whole snapshot if it is newer than the stored checkpoint of step `stored` (None: no
         stored checkpoint), its parts at hand, read and checked on every rank, on this launch's layout (cut again if
-        it was taken on another); else None, with the reason in the log. Either way, the node then keeps
-        only the snapshot resumed from: newer ones (left by a fault when the stored checkpoint is used) would
-        otherwise be taken for newer than every snapshot to come."""
+        it was taken on another); else None, with the reason in the log. A part that fails its checks, or cannot
+        be sent, is set aside and the step tried again with another copy of it, then the step before it (the
+        node keeps the last whole one while the next is written), each set-aside logged; a broken exchange ends
+        the search. Either way, the node then keeps only the snapshot resumed from: newer ones (left by a fault
+        when the stored checkpoint is used) would otherwise be taken for newer than every snapshot to come."""
         if self.off:
             return None
         untouched = not self.objs.optimizer.state  # reading the state dicts gives a fresh optimizer its state
-        plan, why = self._plan(self.dims)
-        found = None
-        if plan is not None and plan.step > (stored or 0):
-            why = self._fetch(plan)
-            if not why:
-                found, why = self._read(plan, self.dims)
-        elif plan is not None:
-            why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {plan.step}"
-        if found is None and (stored is not None or plan is not None) and self.log is not None:
-            self.log.event("memory_tier_not_used", reason=why, stored_step=stored or 0)
+        parts = self._parts()
+        found, set_aside, why, planned = None, set(), "", False
+        reasons: dict[str, None] = {}  # each attempt's, in order, once
+        while found is None:
+            plan, why = plan_resume([h for h in parts if h not in set_aside], self.dims, self.cut,
+                                    flatten(*state_dicts(self.objs)))
+            planned = planned or plan is not None
+            if plan is None or plan.step <= (stored or 0):
+                if plan is not None:
+                    why = f"the stored checkpoint of step {stored} is as new as the snapshot of step {plan.step}"
+                break
+            found, problem, bad = self._attempt(plan)
+            if found is None:
+                reasons[problem] = None
+                if self.log is not None:
+                    self.log.event("memory_snapshot_set_aside", step=plan.step, reason=problem)
+                if bad is None:  # the exchange itself broke: no other copy is tried over it
+                    break
+                set_aside |= bad
+        if found is None and (stored is not None or planned) and self.log is not None:
+            self.log.event("memory_tier_not_used", reason="; ".join(reasons) or why, stored_step=stored or 0)
         keep_only(self.dir, {found.step} if found else set())
         self.whole = found.step if found else None
         if found is None and untouched:  # (torch's _init_optim_state steps it once at lr 0): as it was, for a
             self.objs.optimizer.state.clear()  # fresh start or the stored checkpoint to fill
         return found
 
-    def _plan(self, dims: ParallelDims) -> tuple[Plan | None, str]:
-        """Collective: what every node holds, gathered, and the plan every rank makes of it alike."""
+    def _parts(self) -> list[Held]:
+        """Collective: the parts every node holds, gathered (each file that is no usable part logged)."""
         held, ignored = list_parts(self.dir, self.run_id, self.rank)
         everyone = self._gather((held, ignored))
         if self.log is not None:
             for path, problem in sorted({item for _, bad in everyone for item in bad}):
                 self.log.event("memory_part_ignored", file=path, reason=problem)
-        parts = [h for found, _ in everyone for h in found]
-        return plan_resume(parts, dims, self.cut, flatten(*state_dicts(self.objs)))
+        return [h for found, _ in everyone for h in found]
+
+    def _attempt(self, plan: Plan) -> tuple[Found | None, str, set[Held] | None]:
+        """Collective: the plan's parts sent where they are read, then read and checked on every rank. Returns the
+        snapshot, or None, why, and the parts to set aside before the next try (None: try no more), the same on
+        every rank."""
+        try:
+            problem, broken = self._fetch(plan), False
+        except Exception as e:  # noqa: BLE001 - a wait past memory_timeout_s, a connection lost: agreed below
+            problem, broken = f"rank {self.rank}: sending the parts of step {plan.step} failed: " \
+                              f"{type(e).__name__}: {e}", True
+        outcomes = self._gather((problem, broken))  # training's group: the tier's may be what failed
+        if any(p for p, _ in outcomes):
+            problem = "; ".join(dict.fromkeys(p for p, _ in outcomes if p))
+            bad = None if any(b for _, b in outcomes) else \
+                {h for sources in plan.sources.values() for h in sources.values()}
+            return None, problem, bad
+        found, problems = self._read(plan, self.dims)
+        if any(problems):
+            problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p) + \
+                f" (the snapshot of step {plan.step} is set aside)"
+            return None, problem, {h for r, p in enumerate(problems) if p for h in plan.sources[r].values()}
+        return found, "", set()
 
     def _local(self, plan: Plan, rank: int, held: Held) -> Path:
         """Where `rank` reads `held`: on its node, where it lies or where it is sent (named by whose part it is)."""
@@ -296,19 +331,16 @@ class MemoryTier:
                     moves.append((rank, held.holder, Path(held.path), target))
         return self.transport.fetch(plan.step, moves)
 
-    def _read(self, plan: Plan, dims: ParallelDims) -> tuple[Found | None, str]:
-        """Collective: each rank reads and checks its parts; the snapshot is used only if every rank's pass."""
+    def _read(self, plan: Plan, dims: ParallelDims) -> tuple[Found | None, list[str | None]]:
+        """Collective: each rank reads and checks its parts; this rank's snapshot, and every rank's problem (the
+        snapshot is used only if there is none)."""
         paths = {place: self._local(plan, self.rank, held) for place, held in plan.sources[self.rank].items()}
         try:
             found, problem = read(plan, self.rank, self.world_size, paths, flatten(*state_dicts(self.objs)),
                                   dims.shard_group_size, dims.shard_place(self.rank))
         except Exception as e:  # noqa: BLE001 - a file changed or cut since it was listed: one reason among the ranks'
             found, problem = None, f"{type(e).__name__}: {e}"
-        problems = self._gather(problem)
-        if any(problems):
-            return None, "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p) + \
-                f" (the snapshot of step {plan.step} is set aside)"
-        return found, ""
+        return found, self._gather(problem)
 
     def restore(self, found: Found) -> tuple[TrainState, HeldRows]:
         """Collective: apply the snapshot `find` returned, each rank its own shards. Returns the state to go on from

@@ -73,11 +73,16 @@ class Transport:
         the exchange: the partners must not wait for this rank)."""
         if self.send_to is None:
             return
-        data = map_file(path) if path is not None else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([data.numel() if path is not None else -1])
+        error = None
+        try:
+            data = map_file(path) if path is not None else None
+        except OSError as e:  # gone or unreadable since it was written: sent as nothing, raised after
+            data, error = None, e
+        size = torch.tensor([-1 if data is None else data.numel()])
+        data = torch.empty(0, dtype=torch.uint8) if data is None else data
         incoming = {r: torch.zeros(1, dtype=torch.int64) for r in self.recv_from}
         self._run([(size, self.send_to)], incoming.items())
-        received, error = {}, None
+        received = {}
         for r, n in incoming.items():
             if n.item() >= 0 and error is None:
                 try:
@@ -105,29 +110,43 @@ class Transport:
     def fetch(self, step: int, moves: list[tuple[int, int, Path, Path]]) -> str:
         """At a resume, collective: each (rank, holder, file on the holder's node, where the rank keeps it) of `moves`
         sends the holder's file to the rank (kept on its node, for a fault to come; every rank passes the same
-        moves, and only the holder and the rank read their paths). Returns "" once every file has landed, else why
-        not, the same on every rank (a rank with no room left, say)."""
-        outgoing = [(map_file(held), rank) for rank, holder, held, _ in moves if holder == self.rank]
+        moves, and only the holder and the rank read their paths), in chunks of CHUNK bytes, each send's wait
+        bounded. Returns "" once every file has landed, else why not, the same on every rank: a holder whose file
+        is gone or unreadable, a rank with no room left. A broken exchange (a wait past the timeout) raises."""
+        outgoing, errors_here = [], []
+        for rank, holder, held, _ in moves:
+            if holder == self.rank:
+                try:
+                    outgoing.append((map_file(held), rank))
+                except OSError as e:  # gone since it was listed, or unreadable: the rank is told by a size of -1
+                    errors_here.append(f"rank {self.rank} could not read {held} to send it: {type(e).__name__}: {e}")
+                    outgoing.append((None, rank))
         incoming = [(holder, target) for rank, holder, _, target in moves if rank == self.rank]
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in incoming]
-        self._run([(torch.tensor([d.numel()]), r) for d, r in outgoing],
+        self._run([(torch.tensor([-1 if d is None else d.numel()]), r) for d, r in outgoing],
                   [(holder, n) for (holder, _), n in zip(incoming, sizes, strict=True)])
-        into, error = [], None
+        into = []
         for (_, target), n in zip(incoming, sizes, strict=True):
+            if n.item() < 0 or errors_here:
+                break
             try:
                 into.append(map_new(target, int(n)))
             except OSError as e:
-                error = f"rank {self.rank} has no room for its part of step {step}: {type(e).__name__}: {e}"
+                errors_here.append(f"rank {self.rank} has no room for its part of step {step}: {type(e).__name__}: {e}")
                 break
         errors: list = [None] * len(self.nodes)
-        dist.all_gather_object(errors, error, group=self.group)
-        if any(errors):
+        dist.all_gather_object(errors, "; ".join(errors_here) or None, group=self.group)
+        if any(errors):  # a holder's size of -1 comes with its error, so every rank sees one
             del into
             for _, target in incoming:
                 temporary(target).unlink(missing_ok=True)
             return "; ".join(e for e in errors if e)
-        self._run(outgoing, [(holder, t) for (holder, _), t in zip(incoming, into, strict=True)])
-        del into, outgoing
+        sends = [(d, r) for d, r in outgoing if d is not None]
+        longest = max([0, *(d.numel() for d, _ in sends), *(t.numel() for t in into)])
+        for start in range(0, longest, CHUNK):
+            self._run([(d[start:start + CHUNK], r) for d, r in sends],
+                      [(holder, t[start:start + CHUNK]) for (holder, _), t in zip(incoming, into, strict=True)])
+        del into, outgoing, sends
         for _, target in incoming:
             commit(target)
         dist.barrier(self.group)  # every file landed: a rank may read one its node's first rank received
