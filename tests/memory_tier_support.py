@@ -130,17 +130,32 @@ def part(cfg, node: str, step: int, rank: int) -> Path:
 
 
 def rewrite_part(path: Path, header=None, tensors=None) -> None:
-    """A part rewritten in place with its header and tensors changed by the functions given (as a fault, a bug or
-    another user of the directory could leave it): still a whole safetensors file of this user's."""
+    """A part rewritten in place with its header and tensors changed by the functions given (as a bug or another
+    user of the directory could leave it): still a whole safetensors file of this user's, its checksum that of its
+    new bytes (what the checks after the checksum's see)."""
+    from raysft.checkpoint.memory.files import HEADER_KEY, data_checksum
+
     with safe_open(path, framework="pt") as f:
         meta = f.metadata()
         values = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-    key = "raysft_memory"
     if header is not None:
-        meta = {key: json.dumps(header(json.loads(meta[key])))}
+        meta = {HEADER_KEY: json.dumps(header(json.loads(meta[HEADER_KEY])))}
     if tensors is not None:
         values = tensors(values)
     save_file(values, path, metadata=meta)
+    written = json.loads(meta[HEADER_KEY])["checksum"].encode()  # as long as the new one: the data stays put
+    raw = bytearray(path.read_bytes())
+    at = raw.rindex(written, 8, 8 + int.from_bytes(raw[:8], "little"))
+    raw[at:at + len(written)] = data_checksum(path).encode()
+    path.write_bytes(bytes(raw))
+
+
+def flip_a_byte(path: Path, offset_in_data: int = 1000) -> None:
+    """One bit of a part's tensor data flipped in place, the header left as it was (a fault of node memory, or of a
+    copy sent over the network)."""
+    raw = bytearray(path.read_bytes())
+    raw[8 + int.from_bytes(raw[:8], "little") + offset_in_data] ^= 0x10
+    path.write_bytes(bytes(raw))
 
 
 def continue_copy(faulted, tmp_path: Path, **sets):

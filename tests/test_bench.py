@@ -82,3 +82,11 @@ def test_memory_shows_sharding_divide_the_optimizer_state_and_lora_shrink_it(ben
     # rank 4 on every decoder linear layer of a hidden-128 model: a few percent of its parameters get AdamW state
     assert lora["strategy"] == "FULL_SHARD+lora" and lora["breakdown_mib"]["OptState"] < 0.1 * \
         full_shard["breakdown_mib"]["OptState"]
+
+
+def test_memory_checksum_measures_the_tiers_writer_with_and_without_it(bench, tmp_path):
+    results = bench("memory_checksum", "--mb", "8", "--repeats", "1", "--dir", str(tmp_path), toy=False)
+    assert [r["variant"] for r in results] == ["write", "write + checksum", "read", "read + check"]
+    assert all(r["median_s"] > 0 and r["gb_per_s"] > 0 for r in results)
+    assert results[0]["vs_baseline"] == results[2]["vs_baseline"] == 1.0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("raysft-bench-")]  # its part removed

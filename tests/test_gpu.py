@@ -94,3 +94,36 @@ def test_fp8_layers_compute_what_bf16_computes_within_float8s_error():
         grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters()]))
     assert losses[1] == pytest.approx(losses[0], rel=0.02)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.95
+
+
+def test_the_memory_tiers_staging_copy_lands_whole_from_the_last_device_in_its_own_thread():
+    """The memory tier's staging buffer allocated and page-locked in a thread of its own (the tier's: its current
+    device is 0) for the last visible device, the step's shards copied on the side stream, the copy's bytes
+    compared with the shards' (not only its time)."""
+    import threading
+
+    from raysft.checkpoint.memory.files import views
+    from raysft.checkpoint.memory.staging import Stager
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    shards = {"model.w": torch.randn(1024, 257, device=device, generator=g),
+              "model.b": torch.randn(3, device=device, dtype=torch.bfloat16, generator=g),
+              "optim.w.step": torch.tensor(7.0, device=device)}
+    stager = Stager(device)
+    thread = threading.Thread(target=stager.allocate, args=({k: v.to("meta") for k, v in shards.items()},))
+    thread.start()
+    thread.join()
+    assert stager.fits(shards)
+    stager.copy(shards)
+    expected = {k: v.cpu() for k, v in shards.items()}
+    stager.before_update()  # the optimizer's pre-hook: the next update waits for the copy, on the device
+    for v in shards.values():
+        v.add_(1)
+    done = threading.Thread(target=stager.landed)
+    done.start()
+    done.join()
+    landed = views(stager.buffer, stager.slots)
+    assert all(torch.equal(landed[k], expected[k]) for k in shards)
+    stager.release()

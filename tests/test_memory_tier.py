@@ -1,6 +1,7 @@
 """The memory tier (checkpoint.memory_every_n_steps) under plain torch.distributed, its faults and resumes:
 tests/memory_tier_support.py says how nodes and faults are stood in for."""
 
+import contextlib
 import errno
 import json
 import os
@@ -8,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import STEPS
 from memory_tier_support import (
     FAULT_AT,
@@ -104,12 +106,12 @@ def launch_without_room_to_receive(ctx, cfg) -> dict:
 def launch_killed_mid_snapshot(ctx, cfg, at_step: int) -> dict:
     """launch_on_own_node, every snapshot taken, with rank 1's process killed while the tier's writer writes its
     part of the snapshot of `at_step`, after its first bytes."""
-    def write_bytes(real, f, data):
-        real(f, data[:4096])
+    def write_bytes(real, f, data, digest=None):
+        real(f, data[:4096], digest)
         if ctx.rank == 1 and Path(f.name).parent.name == f"step_{at_step:08d}":
             f.flush()
             os._exit(9)
-        real(f, data[4096:])
+        real(f, data[4096:], digest)
 
     with tier_patched(write_bytes=write_bytes):
         return launch_on_own_node(ctx, cfg)
@@ -355,3 +357,45 @@ def test_every_part_is_sent_off_its_node_and_every_send_has_its_receiver_on_any_
     if len({nodes.count(n) for n in order}) == 1:  # even nodes: the same place on the next node, one each way
         assert all(len(frm) == 1 for _, frm in pairs)
     assert partners(["a", "a"], 1) == (None, [])
+
+
+def test_the_staging_buffer_is_page_locked_for_the_ranks_own_device_from_the_tiers_thread(monkeypatch):
+    """The tier's thread starts with device 0 current; under torchrun with every GPU visible, rank 1's buffer is
+    registered with device 1 current, and as portable (a fake CUDA: this machine has none; tests/test_gpu.py
+    copies through a real one)."""
+    import threading
+    from types import SimpleNamespace
+
+    from raysft.checkpoint.memory import staging
+
+    current, calls = threading.local(), []
+
+    @contextlib.contextmanager
+    def device(d):
+        before = getattr(current, "index", 0)
+        current.index = torch.device(d).index
+        try:
+            yield
+        finally:
+            current.index = before
+
+    def register(ptr, size, flags):
+        calls.append(("register", getattr(current, "index", 0), size, flags))
+        return 0
+
+    def unregister(ptr):
+        calls.append(("unregister", getattr(current, "index", 0)))
+        return 0
+
+    monkeypatch.setattr(staging.torch.cuda, "device", device)
+    monkeypatch.setattr(staging.torch.cuda, "cudart",
+                        lambda: SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=unregister))
+    stager = staging.Stager.__new__(staging.Stager)  # without the side stream a real device would get
+    stager.device, stager.cuda, stager.slots, stager.buffer, stager.event, stager._registered = \
+        torch.device("cuda", 1), True, None, None, None, False
+    thread = threading.Thread(target=stager.allocate, args=({"model.w": torch.empty(4, 8, device="meta")},))
+    thread.start()
+    thread.join()
+    stager.release()
+    assert calls == [("register", 1, 4 * 8 * 4, staging.HOST_REGISTER_PORTABLE), ("unregister", 1)]
+    assert staging.HOST_REGISTER_PORTABLE == 1  # cudaHostRegisterPortable

@@ -7,14 +7,18 @@ import errno
 import fcntl
 import os
 import shutil
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from conftest import gloo_processes
 from memory_tier_support import (
     FAULT_AT,
     assert_same_run,
     continue_copy,
+    flip_a_byte,
     launch_on_nodes,
     launch_on_own_node,
     memory_config,
@@ -25,7 +29,8 @@ from memory_tier_support import (
 )
 
 from raysft.checkpoint.discovery import read_run_id
-from raysft.checkpoint.memory.directory import check_memory_dir
+from raysft.checkpoint.memory.directory import LIVE_FILE, check_memory_dir
+from raysft.checkpoint.memory.files import header_problem, read_header
 from raysft.training.metrics import read_metrics
 
 NOBODY = 65534
@@ -41,6 +46,37 @@ def events(cfg, kind: str) -> list[dict]:
 
 
 # --- uneven nodes, and a partner that never answers ------------------------------------------------------------
+
+def launch_with_a_rank_that_stalls(ctx, cfg, at_step: int, seconds: float) -> dict:
+    """launch_on_own_node with rank 1 held for `seconds` before its tier's agreement on the snapshot of `at_step`."""
+    import raysft.checkpoint.memory.tier as tier
+
+    real = tier.MemoryTier._ready
+
+    def ready(self, tensors, step):
+        if ctx.rank == 1 and step == at_step:
+            time.sleep(seconds)
+        return real(self, tensors, step)
+
+    tier.MemoryTier._ready = ready
+    try:
+        return launch_on_own_node(ctx, cfg)
+    finally:
+        tier.MemoryTier._ready = real
+
+
+@pytest.mark.slow  # trains: make test-fast leaves it out
+def test_the_tiers_agreement_on_the_step_path_waits_at_most_memory_timeout_s(tmp_path):
+    """Rank 1 held for 4 s before the tier's agreement on step 5's snapshot, checkpoint.memory_timeout_s 2: rank
+    0's wait there ends after 2 s, by name, and the run fails for Ray to restart it. Before, that group had gloo's
+    default timeout: the wait could last 30 minutes. (A pool of its own: the failed run's processes are not
+    reused.)"""
+    cfg = memory_config(tmp_path, "stalled", **{"checkpoint.memory_timeout_s": 2})
+    (tmp_path / "pool").mkdir()
+    with gloo_processes(2, tmp_path / "pool") as pool, \
+            pytest.raises(RuntimeError, match=r"rank 0: .*Timed out waiting 2000ms"):
+        pool.run(launch_with_a_rank_that_stalls, cfg, 5, 4)
+
 
 @pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
 def test_uneven_nodes_snapshot_with_a_copy_off_each_node_and_a_lost_node_costs_no_step(tmp_path, gloo_pool4,
@@ -116,6 +152,13 @@ def test_the_memory_dir_is_made_private_and_refused_where_others_may_write_it_or
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o755)
     assert check_memory_dir(mine) is None
+    open_above = tmp_path / "open" / "private"  # its grandparent open to all: it could be swapped from there
+    open_above.mkdir(parents=True, mode=0o700)
+    open_above.parent.chmod(0o777)
+    assert check_memory_dir(open_above / "shm") == (
+        f"checkpoint.memory_dir {open_above / 'shm'}: its ancestor {open_above.parent} may be written by other "
+        "users (mode drwxrwxrwx)")
+    assert not (open_above / "shm").exists()
 
 
 @as_root
@@ -151,6 +194,74 @@ def test_a_planted_memory_dir_with_a_newer_snapshot_is_never_used_nor_written(tm
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+# --- a full /dev/shm -----------------------------------------------------------------------------------------------
+
+def launch_on_one_node(ctx, cfg) -> dict:
+    with tier_patched():  # every snapshot due is taken, so that one due when the room is short is seen
+        return launch_on_nodes(ctx, cfg, ["a", "a"])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real tmpfs of 40 MiB (the suite runs as root; skipped where mounting is not allowed), unmounted after."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@as_root
+@pytest.mark.slow  # trains: make test-fast leaves it out
+def test_a_tmpfs_short_of_room_skips_snapshots_by_name_and_is_never_filled_for_what_else_uses_it(
+        tmp_path, gloo_pool, uninterrupted, small_tmpfs):
+    """The memory_dir a tmpfs of 40 MiB that another process uses too: it holds 23 MiB of its own and writes and
+    removes 2 MiB more all along. A step's snapshot takes 10 MiB here (2 ranks on one node, 5 MiB each), and the
+    newest whole one is kept while the next is written: the snapshot of step 2 fits, the next ones do not, and each
+    is passed over with a named event, the tier staying on, until the other process frees its 23 MiB after step 3;
+    then they are taken again. The other process never meets a full tmpfs, and the run ends bit-identical to the
+    run without the tier. Before, the snapshot's write met ENOSPC, left its temporary file, and the tmpfs stayed
+    full while the run went on."""
+    ballast = small_tmpfs / "other-user.bin"
+    ballast.write_bytes(b"\0" * (23 << 20))
+    cfg = memory_config(tmp_path, "tmpfs", **{"checkpoint.memory_dir": str(small_tmpfs)})
+    stop, failures = threading.Event(), []
+
+    def other_process():
+        while not stop.is_set():
+            try:
+                (small_tmpfs / "other-scratch.bin").write_bytes(b"\1" * (2 << 20))
+                (small_tmpfs / "other-scratch.bin").unlink()
+            except OSError as e:
+                failures.append(f"{type(e).__name__}: {e}")
+            if ballast.exists() and (cfg.run_dir / "metrics.jsonl").is_file() and \
+                    any(m.get("event") == "checkpoint" for m in read_metrics(cfg.run_dir)):
+                ballast.unlink()  # after step 3's stored checkpoint: room again
+            time.sleep(0.05)
+
+    beside = threading.Thread(target=other_process, daemon=True)
+    beside.start()
+    try:
+        gloo_pool.run(launch_on_one_node, cfg)
+    finally:
+        stop.set()
+        beside.join()
+    assert failures == [] and not ballast.exists()
+    [skipped] = [m for m in events(cfg, "memory_snapshot_skipped") if "free space" in m["reason"]]
+    assert skipped["step"] == 3 and skipped["free"].startswith("a: ") and "its 2 files of a step take 10 MiB" in \
+        skipped["free"], skipped
+    assert not events(cfg, "memory_tier_off")
+    [end] = events(cfg, "memory_tier_end")
+    assert end["snapshots"] >= 6 and end["skipped"] >= 2, end  # the first one's buffer, then step 3 (and maybe 4)
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == [".raysft.lock"]
+
+
 # --- what a part holds is checked, every part --------------------------------------------------------------------
 
 def test_a_snapshot_with_an_unsound_trainer_state_or_nan_is_never_resumed_from(tmp_path, gloo_pool, uninterrupted,
@@ -179,6 +290,7 @@ def nan_in_norm(tensors: dict) -> dict:
     return {**tensors, "model.model.norm.weight": tensors["model.model.norm.weight"].clone().fill_(float("nan"))}
 
 
+@pytest.mark.slow  # trains: make test-fast leaves it out
 def test_a_rejected_part_is_read_again_from_its_other_copy_then_the_step_before_is_tried(tmp_path, gloo_pool,
                                                                                        uninterrupted, faulted):
     """Two continuations of the fault. Rank 0's part of step 8 holds NaN on its own node only: it is set aside,
@@ -203,6 +315,24 @@ def test_a_rejected_part_is_read_again_from_its_other_copy_then_the_step_before_
     assert_same_run(both, uninterrupted, tmp_path / "both" / "hf")
 
 
+@pytest.mark.slow  # trains: make test-fast leaves it out
+def test_a_flipped_bit_in_a_part_is_caught_by_its_checksum_and_the_other_copy_used(tmp_path, gloo_pool,
+                                                                                   uninterrupted, faulted):
+    """One bit of rank 0's own part of step 8 flipped in node memory (a weight's value: no NaN, the right shapes):
+    its checksum no longer matches, the part is set aside, named, and rank 0 reads the copy on node 1. Before,
+    such a snapshot was resumed from without a word, and most of the losses after it differed from the run without
+    the fault."""
+    cfg = continue_copy(faulted, tmp_path)
+    flipped = part(cfg, "node0", FAULT_AT, 0)
+    flip_a_byte(flipped)
+    gloo_pool.run(launch_on_own_node, cfg)
+    [aside] = events(cfg, "memory_snapshot_set_aside")
+    assert aside["step"] == FAULT_AT and aside["reason"].startswith(
+        f"rank 0: {flipped}: its bytes do not match its checksum (xxh3_64:"), aside
+    assert resumes(cfg) == [(FAULT_AT, "memory")]
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
 def launch_with_a_copy_gone_when_sent(ctx, cfg, step: int) -> dict:
     """A launch whose rank 1, holding a part of `step`, finds it gone as it starts to send it (once)."""
     gone = []
@@ -217,6 +347,7 @@ def launch_with_a_copy_gone_when_sent(ctx, cfg, step: int) -> dict:
         return launch_on_own_node(ctx, cfg)
 
 
+@pytest.mark.slow  # trains: make test-fast leaves it out
 def test_a_part_that_cannot_be_sent_at_the_resume_sets_its_step_aside_and_never_crashes_the_launch(
         tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 0's own part of step 8 is gone (its node lost it), so the copy on node 1 must be sent, and node 1 finds
@@ -233,6 +364,18 @@ def test_a_part_that_cannot_be_sent_at_the_resume_sets_its_step_aside_and_never_
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+def test_a_header_whose_layout_is_ill_typed_or_out_of_range_is_no_part(faulted):
+    """Discovery computes with the layout's sizes: each must be an integer of at least 1 (a bool is none), the
+    sharding a name, before any of it is used; such a file is ignored, named, like any header that fails."""
+    path = part(faulted, "node0", FAULT_AT, 0)
+    header = read_header(path)
+    assert header_problem(header, path) is None
+    for bad in ({"shard": "2"}, {"replicate": 0}, {"sharding": None}, {"sequence": True}, {"shard": None}):
+        layout = {**header["layout"], **bad}
+        assert header_problem({**header, "layout": layout}, path) == \
+            f"layout {layout!r}: expected a sharding and replicate, shard and sequence sizes of at least 1"
+
+
 def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 1's part of step 8 is left only by another launch attempt (a node left out of one attempt keeps its
     files): step 8 is not whole in any one attempt, and the run resumes from step 7, whole in the attempt that
@@ -246,6 +389,44 @@ def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path,
 
 
 # --- nothing is left in node memory ------------------------------------------------------------------------------
+
+def launch_noting_the_live_file(ctx, cfg, seen: Path) -> dict:
+    """launch_on_own_node with the heartbeat every 0.1 s and steps of at least 0.15 s; rank 0 notes, at each step,
+    the mtime of its run's `.live` file."""
+    import raysft.checkpoint.memory.tier as tier
+    from raysft.training.trainer import Trainer
+
+    real_beat, real_step = tier.HEARTBEAT_S, Trainer.train_step
+
+    def train_step(self, *args, **kwargs):
+        time.sleep(0.15)
+        if ctx.rank == 0:
+            live = self.checkpointer.memory.dir.parent / LIVE_FILE
+            with seen.open("a") as f:
+                f.write(f"{live.stat().st_mtime_ns}\n")
+        return real_step(self, *args, **kwargs)
+
+    tier.HEARTBEAT_S, Trainer.train_step = 0.1, train_step
+    try:
+        return launch_on_own_node(ctx, cfg)
+    finally:
+        tier.HEARTBEAT_S, Trainer.train_step = real_beat, real_step
+
+
+@pytest.mark.slow  # trains: make test-fast leaves it out
+def test_a_run_whose_snapshots_are_rare_still_shows_it_is_alive_on_its_node(tmp_path, gloo_pool):
+    """No snapshot in the whole run (one every 1000 steps), yet its `.live` file is touched all along, by the
+    workers' heartbeat: a launch of another run on the node, while Ray restarts this one's workers, finds it
+    recent and leaves it. Before, only the arrival and each snapshot touched it: past RECLAIM_GRACE_S (5 minutes)
+    between snapshots, a run in the gap of a restart looked dead and was reclaimed."""
+    cfg = memory_config(tmp_path, "rare", **{"checkpoint.memory_every_n_steps": 1000})
+    seen = tmp_path / "live.txt"
+    gloo_pool.run(launch_noting_the_live_file, cfg, seen)
+    times = [int(line) for line in seen.read_text().split()]
+    assert len(times) == cfg.train.max_steps and times[-1] > times[0] and len(set(times)) > len(times) // 2, times
+    [end] = events(cfg, "memory_tier_end")
+    assert end["snapshots"] == 0
+
 
 def test_the_next_launch_reclaims_runs_no_process_holds_and_never_a_live_or_recent_one(tmp_path, gloo_pool, faulted):
     """In one memory_dir: the faulted run (its processes killed: a job SIGKILLed as a whole leaves just this), a run

@@ -4,7 +4,8 @@
 state, and a resume trusts what it finds there, so the directory must be its user's alone:
 - `memory_dir` (default `/dev/shm/raysft-<uid>`, each user's own) is used only if this user owns it and nobody
   else may write it or the directory it is in (unless that one has the sticky bit, as /dev/shm has): otherwise a
-  user who made it first could read the run's state or plant a snapshot it resumes from. `check_memory_dir` says
+  user who made it first could read the run's state or plant a snapshot it resumes from. Every directory above
+  it is held to the same (one another user may write could swap what is below it). `check_memory_dir` says
   why not, and the tier stays off, writing nothing there.
 - What raysft creates is 0700 (directories) and 0600 (files: raysft.checkpoint.memory.files).
 
@@ -12,7 +13,8 @@ Node memory is freed by nobody else, so a run that ended without removing its sn
 whole, its driver gone with the only record of it) would hold it until a reboot. Each live worker holds a shared
 lock on its run's `.live` file; the next launch on the node (`reclaim`) removes every other run of this user's that
 no process holds and that wrote nothing for RECLAIM_GRACE_S (Ray restarting a run's workers leaves a gap with no
-holder), or that `--fresh` set aside. Taking and testing those locks, and creating and removing run directories,
+holder; each live worker touches `.live` every HEARTBEAT_S, however rare its snapshots), or that `--fresh` set
+aside. Taking and testing those locks, and creating and removing run directories,
 happen under the directory's own lock (`.raysft.lock`), so that a run is never removed between its workers'
 arrival and their lock.
 """
@@ -33,6 +35,7 @@ LOCK_FILE = ".raysft.lock"  # in memory_dir: reclaim and the runs' arrival, one 
 LIVE_FILE = ".live"  # in a run's directory: a shared lock held by each of its live workers
 STEP_PREFIX = "step_"
 RECLAIM_GRACE_S = float(os.environ.get("RAYSFT_MEMORY_RECLAIM_GRACE_S", 300.0))
+HEARTBEAT_S = RECLAIM_GRACE_S / 5  # how often a live worker touches its run's `.live` file
 LOCK_WAIT_S = 60.0  # for the directory's lock: what one reclaim takes at most, with room to spare
 
 
@@ -50,12 +53,12 @@ def resolve_memory_dir(memory_dir: str) -> Path:
 def check_memory_dir(path: Path) -> str | None:
     """Why `path` must not hold this user's snapshots (None if it may), creating it (0700) if it does not exist."""
     uid = os.getuid()
-    for parent in [path.parent, *path.parent.parents]:  # a directory another user may write can swap ours away
+    for parent in [path.parent, *path.parent.parents]:  # one another user may write can swap what is below it
         if parent.exists():
             problem = _foreign(parent, uid, sticky_ok=True)
             if problem:
-                return f"checkpoint.memory_dir {path}: its parent {problem}"
-            break
+                which = "parent" if parent == path.parent else f"ancestor {parent}"
+                return f"checkpoint.memory_dir {path}: its {which} {problem}"
     try:
         if path.is_symlink() and os.lstat(path).st_uid != uid:
             return f"checkpoint.memory_dir {path} is a symbolic link of {_owner(os.lstat(path).st_uid)}'s"
@@ -166,6 +169,20 @@ def _last_write(run: Path) -> float:
 
 def step_dir(node_dir: Path, step: int) -> Path:
     return node_dir / f"{STEP_PREFIX}{step:08d}"
+
+
+def room_problem(node_dir: Path, node: str, files: int, need: int) -> str | None:
+    """Why the node's directory cannot take a step's `files` of `need` bytes in all (beside the newest whole step,
+    kept while the next is written), or None: a full /dev/shm fails everything on the node that maps shared memory
+    (Ray's object store, DataLoader workers, NCCL), so a snapshot that would fill it is not begun."""
+    try:
+        stat_ = os.statvfs(node_dir)
+    except OSError as e:
+        return f"{node}: {type(e).__name__}: {e}"
+    free = stat_.f_bavail * stat_.f_frsize
+    if free >= need:
+        return None
+    return f"{node}: {free / 2**20:.0f} MiB free, its {files} files of a step take {need / 2**20:.0f} MiB"
 
 
 def keep_only(node_dir: Path, steps: set[int]) -> None:

@@ -1,6 +1,8 @@
 """A rank's part of a snapshot as a file in node-local memory: a safetensors file (any safetensors reader loads it)
 whose tensor data is the rank's staging buffer byte for byte, followed by the RNG states, with the header
-(trainer state, layout, launch attempt, metrics held) in its metadata.
+(trainer state, layout, launch attempt, metrics held) in its metadata, and a checksum of every byte after the
+header (xxh3_64, taken as the bytes are written, at memory speed), checked before a part is used: a bit flipped in
+node memory, or in a copy sent over the network, sets that copy aside rather than being resumed from.
 
 Written under a temporary name and renamed, so that a file under its own name is whole; created 0600 in
 directories of 0700 (raysft.checkpoint.memory.directory), so that only its owner reads the weights; mapped to be
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -25,7 +28,10 @@ from raysft.checkpoint.trainable import state_dict_options
 from raysft.errors import CheckpointError
 from raysft.hf.tensors import dtype_name
 
-FORMAT = 2  # a part's header format; 1: per-tensor files written by save_file, RNG and metrics as tensors
+FORMAT = 3  # a part's header format; 2: no checksum; 1: per-tensor files written by save_file, RNG and metrics as
+# tensors
+CHECKSUM = "xxh3_64:"  # the header's "checksum": this, then 16 hex digits
+_PENDING = CHECKSUM + "~" * 16  # its place in the header until the data is written
 HEADER_KEY = "raysft_memory"
 FILE_MODE = 0o600
 WRITE_CHUNK = 64 << 20  # bytes per write: a part of tens of GiB is written without a second buffer of its size
@@ -76,8 +82,8 @@ def views(buffer: torch.Tensor, slots: list[Slot]) -> dict[str, torch.Tensor]:
 def write_part(path: Path, buffer: torch.Tensor, slots: list[Slot], extra: dict[str, torch.Tensor],
                header: dict) -> None:
     """The part: `buffer` (uint8, laid out by `slots`) as the file's data, then `extra` (uint8 tensors: the RNG
-    states), and `header` as its metadata. Written to the temporary name (mode 0600 from its creation) and
-    renamed."""
+    states), and `header` as its metadata, its checksum filled in once the data is written. Written to the
+    temporary name (mode 0600 from its creation), which a failed write removes, and renamed."""
     entries = {s.name: {"dtype": dtype_name(s.dtype), "shape": list(s.shape), "data_offsets": [s.start, s.end]}
                for s in slots}
     offset = buffer.numel()
@@ -86,16 +92,23 @@ def write_part(path: Path, buffer: torch.Tensor, slots: list[Slot], extra: dict[
             raise TypeError(f"{name}: the extra tensors of a part are bytes (uint8), got {t.dtype}")
         entries[name] = {"dtype": "U8", "shape": list(t.shape), "data_offsets": [offset, offset + t.numel()]}
         offset += t.numel()
-    entries["__metadata__"] = {HEADER_KEY: json.dumps(header)}
+    entries["__metadata__"] = {HEADER_KEY: json.dumps({**header, "checksum": _PENDING})}  # its last key
     meta = json.dumps(entries, separators=(",", ":")).encode()
     meta += b" " * (-len(meta) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
     tmp = temporary(path)
     tmp.unlink(missing_ok=True)  # what a rank killed mid-write left
-    with open(tmp, "xb", opener=_private) as f:
-        f.write(struct.pack("<Q", len(meta)) + meta)
-        write_bytes(f, buffer)
-        for t in extra.values():
-            write_bytes(f, t)
+    try:
+        with open(tmp, "xb", opener=_private) as f:
+            f.write(struct.pack("<Q", len(meta)) + meta)
+            digest = xxhash.xxh3_64()
+            write_bytes(f, buffer, digest)
+            for t in extra.values():
+                write_bytes(f, t, digest)
+            f.seek(8 + meta.rindex(_PENDING.encode()) + len(CHECKSUM))
+            f.write(digest.hexdigest().encode())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a write that failed (a full /dev/shm) leaves nothing behind
+        raise
     tmp.rename(path)
 
 
@@ -104,11 +117,32 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW, FILE_MODE)
 
 
-def write_bytes(f, data: torch.Tensor) -> None:
-    """A uint8 tensor's bytes, a chunk at a time."""
+def write_bytes(f, data: torch.Tensor, digest=None) -> None:
+    """A uint8 tensor's bytes, a chunk at a time, each also fed to `digest` (an xxhash object) if given."""
     flat = data.contiguous().view(torch.uint8).reshape(-1).numpy()
     for start in range(0, flat.size, WRITE_CHUNK):
-        f.write(memoryview(flat[start:start + WRITE_CHUNK]))
+        chunk = memoryview(flat[start:start + WRITE_CHUNK])
+        f.write(chunk)
+        if digest is not None:
+            digest.update(chunk)
+
+
+def data_checksum(path: Path) -> str:
+    """The checksum of every byte of a part after its header, as write_part records it."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + size)
+        while chunk := f.read(WRITE_CHUNK):
+            digest.update(chunk)
+    return CHECKSUM + digest.hexdigest()
+
+
+def checksum_problem(path: Path, header: dict) -> str | None:
+    """Why the part's bytes are not those it was written with (None if they are)."""
+    found = data_checksum(path)
+    return None if found == header["checksum"] else \
+        f"its bytes do not match its checksum ({found}, written with {header['checksum']})"
 
 
 def read_header(path: Path) -> dict | None:
@@ -124,7 +158,7 @@ def read_header(path: Path) -> dict | None:
 # A header's keys and their types; `header_problem` checks them before anything of the part is used.
 _HEADER_TYPES = {"format": int, "run_id": str, "attempt": str, "step": int, "rank": int, "world_size": int,
                  "layout": dict, "replica": int, "replicated": bool, "trainer_state": dict, "metrics_rows": list,
-                 "metrics_values": list}
+                 "metrics_values": list, "checksum": str}
 
 
 def header_problem(header: dict, path: Path) -> str | None:
@@ -135,6 +169,13 @@ def header_problem(header: dict, path: Path) -> str | None:
     wrong = [k for k, kind in _HEADER_TYPES.items() if type(header.get(k)) is not kind]
     if wrong:
         return f"{wrong[0]} is missing or of the wrong type ({header.get(wrong[0])!r})"
+    layout = header["layout"]
+    if type(layout.get("sharding")) is not str or not all(
+            type(layout.get(k)) is int and layout[k] >= 1 for k in ("replicate", "shard", "sequence")):
+        return f"layout {layout!r}: expected a sharding and replicate, shard and sequence sizes of at least 1"
+    digits = header["checksum"].removeprefix(CHECKSUM)
+    if not header["checksum"].startswith(CHECKSUM) or len(digits) != 16 or digits.strip("0123456789abcdef"):
+        return f"checksum {header['checksum']!r}, expected {CHECKSUM} and 16 hex digits"
     if not 0 <= header["rank"] < header["world_size"] or header["step"] < 0:
         return f"rank {header['rank']} of {header['world_size']} at step {header['step']}"
     try:

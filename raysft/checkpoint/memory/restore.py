@@ -24,7 +24,14 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.memory.discovery import Plan
-from raysft.checkpoint.memory.files import finite_problem, flatten, header_problem, read_header, state_dicts
+from raysft.checkpoint.memory.files import (
+    checksum_problem,
+    finite_problem,
+    flatten,
+    header_problem,
+    read_header,
+    state_dicts,
+)
 from raysft.checkpoint.memory.reshard import assemble
 from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state
 from raysft.checkpoint.trainable import state_dict_options
@@ -60,6 +67,12 @@ def read(plan: Plan, rank: int, world_size: int, paths: dict[int, Path], state: 
     problem = "not a whole snapshot file" if header is None else header_problem(header, first)
     if problem:
         return None, f"{first}: {problem}"
+    for path in sorted(set(paths.values())):  # every byte as it was written, before any is used
+        own = header if path == first else read_header(path)
+        problem = "not a whole snapshot file" if own is None else header_problem(own, path) or \
+            checksum_problem(path, own)
+        if problem:
+            return None, f"{path}: {problem}"
     same_world = plan.old_world == world_size
     if plan.same_cut:
         tensors = load_file(first)

@@ -3,7 +3,9 @@
 One buffer per rank, of exactly the bytes of its shards (raysft.checkpoint.memory.files lays them out; the file's
 data is this buffer), allocated and, on a GPU, page-locked in the tier's thread, off the step path. Page-locked by
 registering plain host memory with CUDA rather than through torch's pinned allocator, which rounds every
-allocation up to a power of two (up to twice what `raysft plan` counts).
+allocation up to a power of two (up to twice what `raysft plan` counts); registered with the rank's own device
+current in that thread (a new thread's is device 0: under torchrun with every GPU visible, the rank's is another)
+and as portable, so that the copy from the rank's device is a page-locked one.
 
 On a GPU the step does not wait for the copy: it is queued on a side stream after the step's own work, and an
 event marks its end. The tier's thread waits on that event before it writes the file; the next optimizer step,
@@ -18,12 +20,14 @@ import torch
 
 from raysft.checkpoint.memory.files import Slot, plan_slots, views
 
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, not only the current one
+
 
 class Stager:
     """The staging buffer and the copies into it, for one rank."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.device, self.cuda = device, device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.slots: list[Slot] | None = None
         self.buffer: torch.Tensor | None = None
@@ -44,7 +48,9 @@ class Stager:
         slots = plan_slots(tensors)
         buffer = torch.empty(slots[-1].end if slots else 0, dtype=torch.uint8)
         if self.cuda and buffer.numel():
-            _check(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0), "cudaHostRegister")
+            with torch.cuda.device(self.device):  # this thread's current device is 0, whatever this rank's is
+                _check(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(),
+                                                            HOST_REGISTER_PORTABLE), "cudaHostRegister")
             self._registered = True
         self.buffer, self.slots = buffer, slots
 
@@ -89,7 +95,8 @@ class Stager:
     def release(self) -> None:
         if self._registered:
             self.landed()
-            _check(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()), "cudaHostUnregister")
+            with torch.cuda.device(self.device):
+                _check(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()), "cudaHostUnregister")
             self._registered = False
         self.buffer, self.slots, self.event = None, None, None
 

@@ -22,8 +22,10 @@ import contextlib
 import os
 import secrets
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.memory.directory import (
+    HEARTBEAT_S,
     LIVE_FILE,
     arrive,
     check_memory_dir,
@@ -38,13 +41,14 @@ from raysft.checkpoint.memory.directory import (
     keep_only,
     make_private_dirs,
     resolve_memory_dir,
+    room_problem,
     step_dir,
 )
 from raysft.checkpoint.memory.discovery import Held, Plan, list_parts, plan_resume
 from raysft.checkpoint.memory.files import FORMAT, flatten, state_dicts, write_part
 from raysft.checkpoint.memory.restore import Found, HeldRows, apply, read
 from raysft.checkpoint.memory.staging import Stager
-from raysft.checkpoint.memory.transport import Transport
+from raysft.checkpoint.memory.transport import Transport, partners
 from raysft.checkpoint.state import TrainingObjects, TrainState, trainer_state_dict
 from raysft.config import CheckpointConfig
 from raysft.distributed.collectives import from_rank0
@@ -65,7 +69,8 @@ class MemoryTier:
         # a rank's replica on another node holds its shards: no copy is sent when every rank has one
         self.transport = Transport(self.nodes, self.rank, c.memory_timeout_s, c.memory_copy_mb_per_s,
                                    send_copies=not dims.replicated)
-        self.control = dist.new_group(backend="gloo")  # the step path's agreements, without a wait for the device
+        # the step path's agreements and the tier's gathers, without a wait for the device, each bounded
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=c.memory_timeout_s))
         self.stager = Stager(device)
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysft-memory")
         self.pending: Future | None = None
@@ -83,6 +88,9 @@ class MemoryTier:
                 self.dir, self.live_fd = arrive(root, run_id, str(self.nodes[self.rank]), set_aside)
         except (OSError, TimeoutError) as e:
             problem = f"checkpoint.memory_dir: {type(e).__name__}: {e}"
+        self.heartbeat = threading.Event()  # set at close
+        if self.live_fd is not None:
+            threading.Thread(target=self._beat, daemon=True, name="raysft-memory-heartbeat").start()
         problems = self._gather(problem)
         if any(problems):
             self._turn_off(problems, "no snapshot is written there; the stored checkpoints go on. Give "
@@ -90,6 +98,15 @@ class MemoryTier:
                                      "(/dev/shm/raysft-<uid>)")
         if torch.cuda.is_available() and device.type == "cuda":
             objs.optimizer.register_step_pre_hook(lambda *_: self.stager.before_update())
+
+    def _beat(self) -> None:
+        """The run is alive on this node: its `.live` file touched every HEARTBEAT_S, however rare its snapshots, so
+        that a launch of another run never reclaims it while Ray restarts its workers (raysft...directory.reclaim
+        spares a run that wrote within RECLAIM_GRACE_S)."""
+        live = self.dir.parent / LIVE_FILE
+        while not self.heartbeat.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(live)
 
     # --- taking snapshots ---------------------------------------------------------------------------------------
 
@@ -153,9 +170,16 @@ class MemoryTier:
         fits = self.stager.fits(tensors)
         if idle and error is None and not fits:
             self._allocate(tensors)
-        # 0: ready; 1: the previous snapshot still being written; 2: the staging buffer being allocated
+        # 0: ready; 1: the previous snapshot still being written; 2: the staging buffer being allocated;
+        # 3: too little room in checkpoint.memory_dir for this step's files on this node
         waiting = 0 if idle and fits else 2 if not fits or not self.allocation.done() else 1
-        flags = torch.tensor([int(error is not None), waiting])
+        short = None
+        if not waiting and error is None:  # each rank's part and the copies its node's ranks receive
+            part = sum(t.numel() * t.element_size() for t in tensors.values())
+            files = [1 + len(partners(self.nodes, r)[1]) if self.transport.send_to is not None else 1
+                     for r in range(self.world_size) if self.nodes[r] == self.nodes[self.rank]]
+            short = room_problem(self.dir, str(self.nodes[self.rank]), sum(files), sum(files) * part)
+        flags = torch.tensor([int(error is not None), 3 if short and not waiting else waiting])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
         if flags[0]:
             self._turn_off(self._gather(None if error is None else f"{type(error).__name__}: {error}"),
@@ -163,11 +187,19 @@ class MemoryTier:
             return False
         if not flags[1]:
             return True
-        reason = ("the previous snapshot is still being written" if flags[1] == 1 else
-                  "the staging buffer is being allocated (for the first snapshot, or for a state of new shapes)")
+        detail = None
+        if flags[1] == 3:  # which nodes are short, and by how much: the same words on every rank
+            out: list = [None] * self.world_size
+            dist.all_gather_object(out, short, group=self.control)
+            detail = "; ".join(dict.fromkeys(x for x in out if x))
+        reason = {1: "the previous snapshot is still being written",
+                  2: "the staging buffer is being allocated (for the first snapshot, or for a state of new shapes)",
+                  3: "too little free space in checkpoint.memory_dir for a step's parts (with the newest whole step "
+                     "kept); snapshots go on once there is room"}[int(flags[1])]
         self.skipped += 1
         if reason not in self.skip_reasons and self.log is not None:  # each reason once; every skip is counted
             self.log.event("memory_snapshot_skipped", step=step, reason=reason,
+                           **({"free": detail} if detail else {}),
                            hint="counted in each step's memory_snapshots_skipped; a snapshot every "
                                 "checkpoint.memory_every_n_steps that the host can write in time is never skipped")
         self.skip_reasons.add(reason)
@@ -205,13 +237,21 @@ class MemoryTier:
         return self._file(step, rank)
 
     def _turn_off(self, problems: list, hint: str) -> None:
+        """Off on every rank: no snapshot is taken or resumed from, and what the tier holds is freed at once (its
+        staging buffer, this node's snapshots: a full /dev/shm must not stay full until the run ends)."""
         self.off = "; ".join(f"rank {r} ({self.nodes[r]}): {p}" for r, p in enumerate(problems) if p)
         if self.log is not None:
             self.log.event("memory_tier_off", reason=self.off, hint=hint)
+        if self.live_fd is not None:  # (a directory refused is never touched)
+            self.finish()  # this rank's writer done (each of its waits bounded), then its buffer and files go
+            self.stager.release()
+            keep_only(self.dir, set())
 
     def _gather(self, value) -> list:
+        """Every rank's `value`, over the tier's control group (apart from the copies' group, which a failed
+        exchange may have left broken)."""
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, value)
+        dist.all_gather_object(out, value, group=self.control)
         return out
 
     def finish(self) -> None:
@@ -223,13 +263,15 @@ class MemoryTier:
     def close(self, remove: bool = False) -> None:
         """Collective: stop taking snapshots; with `remove`, every node's snapshots of the run go (once every rank
         is done with them)."""
+        self.heartbeat.set()
         self.finish()
         self.writer.shutdown()
         self.stager.release()
         if self.log is not None and self.every:
             self.log.event("memory_tier_end", snapshots=self.taken, skipped=self.skipped, off=self.off)
         if remove:
-            dist.barrier()  # training's group: the tier's may have timed out
+            with contextlib.suppress(RuntimeError):  # a rank gone: its node's files are removed by the next launch
+                dist.barrier(group=self.control)  # every rank of the node done with them (its writer, first)
             if self.live_fd is not None:
                 shutil.rmtree(self.dir, ignore_errors=True)
                 run = self.dir.parent
@@ -299,7 +341,7 @@ class MemoryTier:
         except Exception as e:  # noqa: BLE001 - a wait past memory_timeout_s, a connection lost: agreed below
             problem, broken = f"rank {self.rank}: sending the parts of step {plan.step} failed: " \
                               f"{type(e).__name__}: {e}", True
-        outcomes = self._gather((problem, broken))  # training's group: the tier's may be what failed
+        outcomes = self._gather((problem, broken))  # the control group: the copies' group may be what failed
         if any(p for p, _ in outcomes):
             problem = "; ".join(dict.fromkeys(p for p, _ in outcomes if p))
             bad = None if any(b for _, b in outcomes) else \
