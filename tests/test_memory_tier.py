@@ -254,6 +254,7 @@ def test_with_no_room_for_a_part_sent_at_the_resume_the_stored_checkpoint_is_use
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+@pytest.mark.slow  # three runs: make test-fast leaves them out
 @pytest.mark.parametrize("failing_rank, where", [(1, "own"), (0, "copy"), (0, "read")])
 def test_host_memory_short_on_one_rank_turns_the_tier_off_on_every_rank_and_the_run_goes_on(
         tmp_path, gloo_pool, uninterrupted, failing_rank, where):

@@ -49,6 +49,7 @@ def _sharded_weights(ctx, variants: list[tuple[str, str, bool]]) -> dict:
     return out
 
 
+@pytest.mark.slow  # starts the 4-rank pool: make test-fast leaves it out
 def test_the_seeded_initialization_is_the_same_on_1_2_and_4_ranks_under_every_strategy(gloo_pool, gloo_pool4):
     # every layout: shards of 2 and 4 (uneven, and empty for lora_A), 2 x 2 HYBRID, whole copies under NO_SHARD;
     # a LoRA variant checks the base weights too (they equal the model's without LoRA, below)
