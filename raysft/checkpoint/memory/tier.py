@@ -69,6 +69,10 @@ class MemoryTier:
         # a rank's replica on another node holds its shards: no copy is sent when every rank has one
         self.transport = Transport(self.nodes, self.rank, c.memory_timeout_s, c.memory_copy_mb_per_s,
                                    send_copies=not dims.replicated)
+        # the files a step leaves on this node: each of its ranks' parts and the copies each receives (fixed for
+        # the launch, so counted once, off the step path)
+        self.node_files = sum(1 + (len(partners(self.nodes, r)[1]) if self.transport.send_to is not None else 0)
+                              for r in range(self.world_size) if self.nodes[r] == self.nodes[self.rank])
         # the step path's agreements and the tier's gathers, without a wait for the device, each bounded
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=c.memory_timeout_s))
         self.stager = Stager(device)
@@ -176,9 +180,7 @@ class MemoryTier:
         short = None
         if not waiting and error is None:  # each rank's part and the copies its node's ranks receive
             part = sum(t.numel() * t.element_size() for t in tensors.values())
-            files = [1 + len(partners(self.nodes, r)[1]) if self.transport.send_to is not None else 1
-                     for r in range(self.world_size) if self.nodes[r] == self.nodes[self.rank]]
-            short = room_problem(self.dir, str(self.nodes[self.rank]), sum(files), sum(files) * part)
+            short = room_problem(self.dir, str(self.nodes[self.rank]), self.node_files, self.node_files * part)
         flags = torch.tensor([int(error is not None), 3 if short and not waiting else waiting])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
         if flags[0]:
