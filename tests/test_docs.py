@@ -84,3 +84,152 @@ def test_a_renamed_test_is_found(tmp_path):
     doc = ("`test_x.py::test_kept`, `…::test_other`, `…::test_renamed`; `tests/test_x.py::test_kept`; "
            "`test_gone.py::test_kept`; `test_x.py::test_other`")
     assert missing_tests(doc, tmp_path) == ["…::test_renamed", "test_gone.py::test_kept", "test_x.py::test_other"]
+
+
+# --- every name a document gives exists: config keys, `raysft` flags, module paths -------------------------------
+
+FENCED = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
+SPAN = re.compile(r"`([^`\n]+)`")
+# Dotted names that look like a config key and are not one: files (`model.safetensors`, `metrics.jsonl`), tensor
+# names (`model.layers.0.mlp.up_proj.weight`), a method, and the run identity's weight fingerprint in raysft_run.json.
+NOT_KEYS = {"model.layers", "model.norm", "model.model", "model.generate", "model.init", "model.weights"}
+FILE_SUFFIX = re.compile(r"\.(?:json|jsonl|safetensors|py|yaml|md|parquet|png|jinja|txt)\b")
+
+
+def config_keys() -> set[str]:
+    from raysft.config import reference_markdown
+    return set(re.findall(r"^\| `([^`]+)` \|", reference_markdown(), re.M))
+
+
+def unknown_keys(markdown: str, keys: set[str]) -> list[str]:
+    """The `section.key` names a document gives that the configuration does not have (the sections are those of
+    the configuration reference; a nested key such as `model.lora.r` is checked to its last part)."""
+    sections = sorted({k.split(".")[0] for k in keys})
+    pattern = re.compile(rf"(?<![\w./\-])(?:{'|'.join(sections)})(?:\.[a-z_][a-z0-9_]*)+(?![\w/(-])")
+    unknown = []
+    for m in pattern.finditer(markdown):
+        name = m.group(0)
+        if FILE_SUFFIX.match(markdown, m.end()) or ".".join(name.split(".")[:2]) in NOT_KEYS:
+            continue
+        parts = name.split(".")
+        # the longest prefix that is a key, or a section of keys (`model.lora` holds `model.lora.r`)
+        if not any(".".join(parts[:i]) in keys for i in range(2, len(parts) + 1)) and \
+                not any(k.startswith(name + ".") for k in keys):
+            unknown.append(name)
+    return unknown
+
+
+def cli_flags() -> dict[str, set[str]]:
+    import argparse
+
+    from raysft.cli import build_parser
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {s for a in p._actions for s in a.option_strings} for name, p in subparsers.choices.items()}
+
+
+def code_lines(markdown: str) -> list[str]:
+    """Every line of the fenced blocks (a `\\` continuation joined to its line) and every inline code span."""
+    lines = [line for block in FENCED.findall(markdown) for line in block.replace("\\\n", " ").splitlines()]
+    return lines + SPAN.findall(FENCED.sub("", markdown))
+
+
+RAYSFT_CMD = re.compile(r"(?:^\s*(?:\$ )?|[;&|(]\s*|\s)(?:\S*/)?(?:raysft|python3? -m raysft)\s+([a-z]+)(?=\s|$)(.*)")
+BENCH_CMD = re.compile(r"(?:python3?|\.venv/bin/python)\s+(bench/[\w/]+\.py)(.*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+def unknown_flags(markdown: str, flags: dict[str, set[str]], repo: Path) -> list[str]:
+    """The flags a document's commands pass that the command does not take: `raysft SUB --flag` against the
+    argparse parser of SUB (raysft/cli.py), `python bench/X.py --flag` against the script's source (and
+    bench/common.py's, which holds the shared ones)."""
+    unknown = []
+    for line in code_lines(markdown):
+        line = line.split(" #")[0]
+        m = RAYSFT_CMD.search(line)
+        if m and m.group(1) in flags:
+            unknown += [f"raysft {m.group(1)} {f}" for f in FLAG.findall(m.group(2)) if f not in flags[m.group(1)]]
+        elif m and re.match(r"\s*(?:\$ )?raysft ", line):
+            unknown.append(f"raysft {m.group(1)}: no such command")
+        for m in BENCH_CMD.finditer(line):
+            script = repo / m.group(1)
+            if not script.is_file():
+                unknown.append(f"{m.group(1)}: no such script")
+                continue
+            source = script.read_text() + (repo / "bench" / "common.py").read_text()
+            unknown += [f"{m.group(1)} {f}" for f in FLAG.findall(m.group(2))
+                        if f'"{f}"' not in source and f"'{f}'" not in source]
+    return unknown
+
+
+def module_exists(repo: Path, parts: list[str]) -> Path | None:
+    base = repo.joinpath("raysft", *parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def missing_modules(markdown: str, repo: Path, relative: bool = False) -> list[str]:
+    """The module paths a document names that the tree does not hold: `raysft/x/y.py` (or any file or directory
+    under raysft/), `raysft.x.y` (a module, or a module and one name it defines); with `relative` also `x/y` and
+    `x/y.py` for x a package of raysft (ARCHITECTURE.md names modules so)."""
+    missing = []
+    for m in re.finditer(r"(?<![\w./\-])raysft/([\w./\-]*\w)?", markdown):
+        path = repo / "raysft" / (m.group(1) or "")
+        if not (path.exists() or path.with_suffix(".py").exists()):
+            missing.append(m.group(0))
+    for m in re.finditer(r"(?<![\w./\-])raysft((?:\.\w+)+)", markdown):
+        parts = m.group(1)[1:].split(".")
+        if FILE_SUFFIX.fullmatch("." + parts[-1]):
+            continue
+        found = next((i for i in range(len(parts), -1, -1) if module_exists(repo, parts[:i])), None)
+        rest = parts[found:] if found is not None else parts
+        if found is None or len(rest) > 1 or (rest and not re.search(
+                rf"\b{rest[0]}\b", module_exists(repo, parts[:found]).read_text())):
+            missing.append(m.group(0))
+    if relative:
+        packages = sorted(p.name for p in (repo / "raysft").iterdir() if (p / "__init__.py").is_file())
+        pattern = rf"(?<![\w./\-])(?:{'|'.join(packages)})/(\w+)(?:\.py\b|(?![\w/.]|\.\w))"
+        for m in re.finditer(pattern, markdown):
+            package = m.group(0).split("/")[0]
+            if not module_exists(repo, [package, m.group(1)]):
+                missing.append(m.group(0))
+    return missing
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_config_key_flag_and_module_a_document_names_exists(path):
+    markdown = path.read_text()
+    found = {"keys the configuration lacks": unknown_keys(markdown, config_keys()),
+             "flags the commands lack": unknown_flags(markdown, cli_flags(), REPO),
+             "module paths the tree lacks": missing_modules(markdown, REPO, relative=path.name == "ARCHITECTURE.md")}
+    assert {what: names for what, names in found.items() if names} == {}, str(path.relative_to(REPO))
+
+
+def test_a_key_flag_or_module_that_does_not_exist_is_found(tmp_path):
+    keys = {"train.lr", "model.lora.r", "checkpoint.async"}
+    doc = ("`train.lr`, `--set model.lora.r=8`, `checkpoint.async: true`, `model.safetensors`, `metrics.jsonl`, "
+           "`model.layers.0.mlp.weight`\n\n`train.learning_rate`, `model.lora.rank`, `checkpoint.asynch`\n")
+    assert unknown_keys(doc, keys) == ["train.learning_rate", "model.lora.rank", "checkpoint.asynch"]
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "common.py").write_text('parser.add_argument("--out")\n')
+    (tmp_path / "bench" / "x.py").write_text('parser.add_argument("--steps")\n')
+    flags = {"train": {"--set", "--fresh"}, "plan": {"--model"}}
+    doc = ("```bash\nraysft train c.yaml --fresh --set a=1   # --not-a-flag in a comment\nraysft plan c.yaml \\\n"
+           "    --modle x\npython bench/x.py --steps 3 --out o --stpes 4\nraysft trian c.yaml\n"
+           "python bench/gone.py\n```\n\n`raysft train --frsh` and `raysft: error: ...`\n")
+    assert unknown_flags(doc, flags, tmp_path) == [
+        "raysft plan --modle", "bench/x.py --stpes", "raysft trian: no such command", "bench/gone.py: no such script",
+        "raysft train --frsh"]
+
+    (tmp_path / "raysft" / "distributed").mkdir(parents=True)
+    (tmp_path / "raysft" / "distributed" / "__init__.py").write_text("")
+    (tmp_path / "raysft" / "distributed" / "layout.py").write_text("class ParallelDims:\n    pass\n")
+    (tmp_path / "raysft" / "parallel").mkdir()
+    (tmp_path / "raysft" / "parallel" / "__init__.py").write_text("")
+    doc = ("raysft/distributed/layout.py, `raysft.distributed.layout.ParallelDims`, raysft/distributed/, "
+           "distributed/layout, data/chat.jsonl\n\nraysft/parallel/layout.py, raysft.parallel.layout, "
+           "raysft.distributed.layout.Gone, parallel/layout.py\n")
+    assert missing_modules(doc, tmp_path, relative=True) == [
+        "raysft/parallel/layout.py", "raysft.parallel.layout", "raysft.distributed.layout.Gone", "parallel/layout.py"]
