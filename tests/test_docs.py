@@ -109,7 +109,8 @@ def unknown_keys(markdown: str, keys: set[str]) -> list[str]:
     unknown = []
     for m in pattern.finditer(markdown):
         name = m.group(0)
-        if FILE_SUFFIX.match(markdown, m.end()) or ".".join(name.split(".")[:2]) in NOT_KEYS:
+        not_a_key = FILE_SUFFIX.search(name) or FILE_SUFFIX.match(markdown, m.end())
+        if not_a_key or ".".join(name.split(".")[:2]) in NOT_KEYS:
             continue
         parts = name.split(".")
         # the longest prefix that is a key, or a section of keys (`model.lora` holds `model.lora.r`)
