@@ -21,7 +21,7 @@ STEPS = ["environment", "tests", "prepare", "throughput", "profile", "determinis
 LEGS = ["bundle", "prepare", "save_memory", "titan"]
 STEP_LEGS = ["prepare", "fp8", "memory_tier"]  # issue 47's, on the torchrun path
 # The legs that start Ray (ray_throughput, ray_recovery, ray_sigterm, ray_lora) are left to the device call
-# (docs/BENCHMARKS.md): what each checks is the suite's elsewhere, on the same code under Ray
+# (docs/dev/DEVICE-CALLS.md): what each checks is the suite's elsewhere, on the same code under Ray
 # (tests/test_checkpoint_ray.py's Ray run equal to the gloo one, tests/test_faults_cluster.py's killed workers
 # resumed bit for bit, tests/test_signals.py, tests/test_lora.py)
 

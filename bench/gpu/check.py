@@ -19,7 +19,7 @@ hangs costs only its own minutes and the next one still runs:
     ray_*         Ray Train: throughput against torchrun, a killed worker restarted bit-exact, SIGTERM to the
                   driver, LoRA (ray_legs.py)
 
-    python3 bench/gpu/check.py --out "$OUT"              # on the GPU machine (docs/BENCHMARKS.md: the device call)
+    python3 bench/gpu/check.py --out "$OUT"              # on the GPU machine (docs/dev/DEVICE-CALLS.md: the device call)
     .venv/bin/python bench/gpu/check.py --smoke --out D  # the same steps on CPU at toy size (tests/test_gpu_check.py)
 
 The GPU machine has no Ray, torchtitan or torchao: a first step, `bundle`, installs them from the carried bundle
@@ -54,7 +54,7 @@ from pathlib import Path
 
 GPU_DIR = Path(__file__).resolve().parent
 REPO = GPU_DIR.parent.parent
-FASTCHAT = [REPO / ".benchdata" / "dummy_conversation.json",  # carried to the GPU machine (docs/BENCHMARKS.md)
+FASTCHAT = [REPO / ".benchdata" / "dummy_conversation.json",  # carried to the GPU machine (docs/dev/DEVICE-CALLS.md)
             REPO.parent / "shared" / "datasets" / "fastchat" / "dummy_conversation.json"]
 MAX_RETURNED_BYTES = 15 * 2**20  # the device tool brings back files of up to 16 MiB
 
