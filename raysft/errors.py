@@ -65,6 +65,10 @@ class ClusterUnreachable(RuntimeError):
     """Nothing answers at the address in RAY_ADDRESS."""
 
 
+class RayVersionError(ImportError):
+    """The installed Ray is older than the one whose Ray Train API raysft uses; the message names both."""
+
+
 class CannotPlaceWorkers(RuntimeError):
     """The Ray cluster cannot place the requested workers: too small, or busy for longer than Ray waits."""
 

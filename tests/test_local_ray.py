@@ -4,6 +4,7 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import ray
 
 from raysft.config import ScalingConfig
@@ -76,3 +77,30 @@ def test_ray_s_transient_errors_and_their_tracebacks_stay_off_the_terminal_and_t
     assert kept == ["raysft: step 4"] and not inside
     traceback = ["Traceback (most recent call last):", '  File "train.py", line 1', "ValueError: a real one"]
     assert without_noise(traceback) == (traceback, False)  # not after a transient error: printed
+
+
+def test_an_older_ray_is_refused_by_name_where_raysft_imports_ray_train(monkeypatch):
+    """Ray Train's validation API raysft uses is Ray 2.60's: an older Ray is a RayVersionError naming the installed
+    and the needed version when the launch is imported, not an ImportError of some name; pyproject's floor is the
+    same."""
+    import importlib
+    import re
+    import sys
+    from pathlib import Path
+
+
+    from raysft.errors import RayVersionError
+    from raysft.launch.ray_train import RAY_FLOOR, check_ray_version
+
+    monkeypatch.setattr(ray, "__version__", "2.55.1")
+    for name in ("raysft.launch.ray_train", "raysft.launch.ray_controller", "raysft.launch.ray_worker",
+                 "raysft.launch.ray_driver"):
+        monkeypatch.delitem(sys.modules, name)  # imported again below; monkeypatch puts them back
+    with pytest.raises(RayVersionError, match=r"raysft needs Ray 2\.60 or newer .* but Ray 2\.55\.1 is installed: "
+                                              r"pip install 'ray\[default,train\]>=2\.60'"):
+        importlib.import_module("raysft.launch.ray_driver")
+    for newer in ("2.60.0", "2.61.0rc1", "3.0.0.dev0", "unknown"):
+        check_ray_version(newer)
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    floors = re.findall(r'"ray\[[\w,]+\]>=([\d.]+)"', pyproject)
+    assert floors == [".".join(map(str, RAY_FLOOR))], f"pyproject's Ray floor {floors} is not RAY_FLOOR {RAY_FLOOR}"

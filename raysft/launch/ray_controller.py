@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import ray
-from ray.train import ControllerError, UserCallback
 
 from raysft.errors import run_ending_type
+from raysft.launch.ray_train import ControllerError, UserCallback
 from raysft.storage import Location, location
 
 # Ray cancels a validation task this long after eval.timeout_s (counted from the task's submission); the task gives

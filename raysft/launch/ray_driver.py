@@ -11,17 +11,6 @@ import sys
 import threading
 
 import ray
-from ray.train import (
-    CheckpointConfig,
-    ControllerError,
-    FailureConfig,
-    Result,
-    RunConfig,
-    ScalingConfig,
-    ValidationConfig,
-    ValidationTaskConfig,
-)
-from ray.train.torch import TorchConfig, TorchTrainer
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysft.checkpoint import remove_snapshots
@@ -45,6 +34,19 @@ from raysft.launch.ray_controller import (
     forget_evaluation_request,
     recorded_run_ending,
     validate_checkpoint,
+)
+from raysft.launch.ray_train import (
+    CheckpointConfig,
+    ControllerError,
+    FailureConfig,
+    LoggingConfig,
+    Result,
+    RunConfig,
+    ScalingConfig,
+    TorchConfig,
+    TorchTrainer,
+    ValidationConfig,
+    ValidationTaskConfig,
 )
 from raysft.launch.ray_worker import train_worker
 from raysft.launch.signals import DriverSignals, Stopped
@@ -264,9 +266,5 @@ def check_cluster_can_evaluate(config: TrainConfig) -> None:
 
 
 def _quiet_console() -> dict:
-    """RunConfig's logging_config (Ray 2.5x+; older ones keep Ray Train's lines on the console)."""
-    try:
-        from ray.train import LoggingConfig
-    except ImportError:
-        return {}
+    """RunConfig's logging_config: Ray Train's own lines at RAY_TRAIN_CONSOLE_LEVEL on the console."""
     return {"logging_config": LoggingConfig(log_level=RAY_TRAIN_CONSOLE_LEVEL)}

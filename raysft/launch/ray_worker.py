@@ -17,9 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
-import ray.train
-from ray.train import Checkpoint
-from ray.train.v2.api.report_config import CheckpointUploadMode
 
 from raysft.checkpoint import (
     STATE_FILE,
@@ -38,6 +35,7 @@ from raysft.distributed.collectives import from_rank0
 from raysft.errors import ends_the_run
 from raysft.launch.paths import check_worker_paths
 from raysft.launch.ray_controller import RAY_GRACE_S, RECORDED, record_run_ending, request_evaluation
+from raysft.launch.ray_train import Checkpoint, CheckpointUploadMode
 from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
