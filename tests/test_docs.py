@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # the user docs
+DEV_DOCS = sorted((REPO / "docs" / "dev").glob("*.md"))  # how the project is built and measured: docs/dev/
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 
@@ -39,7 +40,7 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", DOCS + DEV_DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_relative_link_names_an_existing_file_and_heading(path):
     assert broken_links(path) == [], f"{path.relative_to(REPO)}: broken links"
 
@@ -234,3 +235,119 @@ def test_a_key_flag_or_module_that_does_not_exist_is_found(tmp_path):
            "raysft.distributed.layout.Gone, parallel/layout.py\n")
     assert missing_modules(doc, tmp_path, relative=True) == [
         "raysft/parallel/layout.py", "raysft.parallel.layout", "raysft.distributed.layout.Gone", "parallel/layout.py"]
+
+
+# --- user docs say what the software does, not how it was built ---------------------------------------------------
+
+# The words a user doc must not hold: the history of the project (what was measured when, by whom, on a borrowed
+# machine, what it was before) goes to docs/dev/ or the git log; README.md and docs/*.md say what raysft does now.
+HISTORY = {
+    "a commit hash": r"(?<![\w/.\-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w\-])",
+    "a date": r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b",
+    "an issue number": r"\bissues?[ \-]#?\d+",
+    "a before note": r"\((?:before|was)\b",
+    "a clock time": r"\bUTC\b|`date`",
+    "a borrowed GPU": r"\b(?:lent|borrowed|device[\- ]minutes|device calls?|device tool|device lease)\b|\$OUT\b|"
+                      r"KINDS\.md|\bcarry: ",
+    "a work session": r"\b(?:this|next|other|earlier|GPU) sessions?\b|\bsessions'",
+    "a branch or tree": r"\bthis (?:branch|worktree|tree)\b",
+}
+
+
+def history_words(markdown: str) -> list[str]:
+    """Each place a document speaks of how the project was built, as `line N: what: the words`."""
+    found = []
+    for number, line in enumerate(markdown.splitlines(), 1):
+        for what, pattern in HISTORY.items():
+            found += [f"line {number}: {what}: {m.group(0)}" for m in re.finditer(pattern, line, re.I)]
+    return found
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_user_docs_say_what_raysft_does_not_how_it_was_built(path):
+    assert history_words(path.read_text()) == [], \
+        f"{path.relative_to(REPO)}: history belongs in docs/dev/ or the git log"
+
+
+def test_words_about_how_the_project_was_built_are_found():
+    doc = ("Measured on 2026-11-29 at 1d19153 (issue 47; see issue-39), `date` 03:03-03:24 UTC.\n"
+           "4.1 s (before: 7.2 s) and 1.00 (was 2.10).\n"
+           "No device was lent for this; run it with the device tool, `--out \"$OUT\"`, in the next session.\n"
+           "Compared with this tree.\n"
+           "A decade of faced beads: 1024 tokens, sha256 deadbeef, ray#33073, the issues users see; a pytest "
+           "session fixture, once per session; before the first step.\n")
+    assert [f.split(": ", 1)[1] for f in history_words(doc)] == [
+        "a commit hash: 1d19153", "a date: 2026-11-29", "an issue number: issue 47", "an issue number: issue-39",
+        "a clock time: `date`", "a clock time: UTC", "a before note: (before", "a before note: (was",
+        "a borrowed GPU: lent", "a borrowed GPU: device tool", "a borrowed GPU: $OUT", "a work session: next session",
+        "a branch or tree: this tree"]
+
+
+# --- docs/METRICS.md lists everything raysft writes to metrics.jsonl ----------------------------------------------
+
+def written_to_metrics(repo: Path) -> tuple[set[str], set[str]]:
+    """The events and the step fields raysft's source writes to metrics.jsonl, read off the code as it writes them:
+    every `.event("name", ...)` call (and gen_log's EVENTS, logged by variable); the trainer's step record (`host`,
+    its dict and updates), the fields StepTotals.reduce adds (`row.update`), the eta, the validation passes' records
+    (evaluation.py, preference_eval.py) and the names of the objective's and the memory tier's step metrics."""
+    source = {p.relative_to(repo / "raysft").as_posix(): p.read_text() for p in (repo / "raysft").rglob("*.py")}
+    events = {name for text in source.values() for name in re.findall(r"\.event\(\s*\"(\w+)\"", text)}
+    gen_log = re.search(r"^EVENTS = \(([^)]*)\)", source.get("training/gen_log.py", ""), re.M)
+    events |= set(re.findall(r"\"(\w+)\"", gen_log.group(1))) if gen_log else set()
+
+    def kwargs(call: str, text: str) -> set[str]:
+        """The keyword names of every call of `call` in `text`, at the call's own level of parentheses."""
+        names = set()
+        for m in re.finditer(rf"{call}\(", text):
+            depth, start = 1, m.end()
+            for i in range(start, len(text)):
+                depth += {"(": 1, ")": -1, "[": 1, "]": -1, "{": 1, "}": -1}.get(text[i], 0)
+                if depth == 0:
+                    break
+                if depth == 1 and (i == start or text[i] == ",") and (name := re.match(r",?\s*(\w+)=(?!=)", text[i:])):
+                    names.add(name.group(1))
+        return names
+    fields = set()
+    trainer = source.get("training/trainer.py", "")
+    host = re.search(r"\bhost = \{(.*?)\}\n", trainer, re.S)
+    fields |= set(re.findall(r"\"(\w+)\":", host.group(1))) if host else set()
+    fields |= kwargs(r"host\.update", trainer) | set(re.findall(r"host\[\"(\w+)\"\] =", trainer))
+    metrics = source.get("training/metrics.py", "")
+    fields |= kwargs(r"row\.update", metrics) | set(re.findall(r"\"(\w+)\": round\(eta", metrics))
+    for module in ("training/evaluation.py", "training/preference_eval.py", "training/preference.py",
+                   "checkpoint/checkpointer.py"):
+        text = source.get(module, "")
+        fields |= set(re.findall(r"\"((?:eval|memory)_\w+|eval/[\w/]+)\"", text))
+        fields |= set(re.findall(r"host=\{\"(\w+)\"", text))
+    names = re.search(r"^REWARD_METRICS = \(([^)]*)\)\s*^LOGIT_METRICS = \(([^)]*)\)", 
+                      source.get("model/preference_loss.py", ""), re.M | re.S)
+    fields |= set(re.findall(r"\"([\w/]+)\"", " ".join(names.groups()))) if names else set()
+    fields -= {"loss_tokens", "flops", "loss_sum"}  # held for the reduction, not written (StepTotals.HOST, DEVICE)
+    return events, fields
+
+
+def missing_from_reference(reference: str, repo: Path) -> list[str]:
+    listed = set(re.findall(r"`([\w/]+)`", reference))
+    events, fields = written_to_metrics(repo)
+    return sorted(f"event {e}" for e in events - listed) + sorted(f"field {f}" for f in fields - listed)
+
+
+def test_metrics_reference_lists_every_event_and_step_field_the_code_writes():
+    events, fields = written_to_metrics(REPO)
+    assert {"start", "resume", "checkpoint", "gen_eval", "memory_tier_off"} <= events, "the scan finds no events"
+    assert {"loss", "lr", "peak_mem_gb", "tokens_per_s", "eval_loss", "rewards/margins", "eta_s"} <= fields
+    assert missing_from_reference((REPO / "docs" / "METRICS.md").read_text(), REPO) == [], \
+        "docs/METRICS.md: list each with its unit"
+
+
+def test_an_event_or_field_the_reference_lacks_is_found(tmp_path):
+    training = tmp_path / "raysft" / "training"
+    training.mkdir(parents=True)
+    (training / "trainer.py").write_text(
+        'host = {"step": 1, "loss_tokens": 2, "lr": lr}\nhost.update(skipped=s, queue_depth=q)\n'
+        'host["loss_scale"] = 1\nself.log.event("start", world_size=2)\nself.log.event(\n    "new_event", x=1)\n')
+    (training / "metrics.py").write_text("row.update(loss=l / n, grad_norm=g)\n")
+    (training / "gen_log.py").write_text('EVENTS = ("gen_eval", "gen_eval_late")\n')
+    reference = "| `step` | `lr` | `skipped` | `loss_scale` | `loss` | `grad_norm` | `start` | `gen_eval` |"
+    assert missing_from_reference(reference, tmp_path) == [
+        "event gen_eval_late", "event new_event", "field queue_depth"]
