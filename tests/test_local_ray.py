@@ -88,7 +88,6 @@ def test_an_older_ray_is_refused_by_name_where_raysft_imports_ray_train(monkeypa
     import sys
     from pathlib import Path
 
-
     from raysft.errors import RayVersionError
     from raysft.launch.ray_train import RAY_FLOOR, check_ray_version
 
