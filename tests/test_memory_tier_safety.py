@@ -376,6 +376,38 @@ def test_a_header_whose_layout_is_ill_typed_or_out_of_range_is_no_part(faulted):
             f"layout {layout!r}: expected a sharding and replicate, shard and sequence sizes of at least 1"
 
 
+def launch_holding_few_rows(ctx, cfg, bound: int, die_after: int = 0) -> dict:
+    """launch_on_own_node with the tier's bound on the metrics rows a part carries (over every rank) set to
+    `bound`."""
+    import raysft.checkpoint.memory.tier as tier
+
+    real, tier.MAX_HELD_ROWS = tier.MAX_HELD_ROWS, bound
+    try:
+        return launch_on_own_node(ctx, cfg, False, die_after)
+    finally:
+        tier.MAX_HELD_ROWS = real
+
+
+@pytest.mark.slow  # trains: make test-fast leaves it out
+def test_the_metrics_rows_a_part_carries_are_bounded_and_every_step_is_logged_once_resumed(tmp_path, gloo_pool,
+                                                                                          uninterrupted):
+    """Each part carries every rank's metrics rows not yet logged (world size x rows held), and safetensors
+    refuses a header over 100 MB: past MAX_HELD_ROWS over every rank (here 2 on 2 ranks; rows are logged at each
+    checkpoint, every 3 steps) the rows are logged before the snapshot, which then carries at most the bound.
+    Before, the part of step 8 held 2 rows a rank. A resume from it still logs every step, and trains as the run
+    without a fault."""
+    cfg = memory_config(tmp_path, "rows")
+    with pytest.raises(RuntimeError, match=r"died .*\{1: 9\}"):
+        gloo_pool.run(launch_holding_few_rows, cfg, 2, FAULT_AT)
+    header = read_header(part(cfg, "node0", FAULT_AT, 0))
+    assert len(header["metrics_rows"]) == 2 and sum(map(len, header["metrics_rows"])) <= 2, header
+    gloo_pool.run(launch_holding_few_rows, cfg, 2)
+    assert resumes(cfg) == [(FAULT_AT, "memory")]
+    assert sorted({m["step"] for m in read_metrics(cfg.run_dir) if "loss" in m}) == \
+        list(range(1, cfg.train.max_steps + 1))
+    assert_same_run(cfg, uninterrupted, tmp_path / "hf")
+
+
 def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 1's part of step 8 is left only by another launch attempt (a node left out of one attempt keeps its
     files): step 8 is not whole in any one attempt, and the run resumes from step 7, whole in the attempt that
@@ -426,6 +458,22 @@ def test_a_run_whose_snapshots_are_rare_still_shows_it_is_alive_on_its_node(tmp_
     assert len(times) == cfg.train.max_steps and times[-1] > times[0] and len(set(times)) > len(times) // 2, times
     [end] = events(cfg, "memory_tier_end")
     assert end["snapshots"] == 0
+
+
+def test_a_launch_removes_the_folders_of_nodes_it_does_not_span_and_nothing_raysft_did_not_make(
+        tmp_path, gloo_pool, faulted):
+    """The run's folders on this host of a node this launch does not span (its Ray node started again under a new
+    id, or a logical node of the host gone) go once the launch has resumed: no rank reads them, and they would
+    hold node memory until the run's end. Before, they stayed. A folder raysft did not make stays."""
+    cfg = continue_copy(faulted, tmp_path)
+    run = node_dir(cfg, "node0").parent
+    shutil.copytree(node_dir(cfg, "node1"), run / "node9")
+    (run / "notes").mkdir()
+    (run / "notes" / "todo.txt").write_text("mine")
+    gloo_pool.run(launch_on_own_node, cfg)
+    assert resumes(cfg) == [(FAULT_AT, "memory")]
+    assert [e["nodes"] for e in events(cfg, "memory_old_nodes_removed")] == [["node9"]]
+    assert sorted(p.name for p in run.iterdir()) == [LIVE_FILE, "notes"]  # the run's own nodes: gone at its end
 
 
 def test_the_next_launch_reclaims_runs_no_process_holds_and_never_a_live_or_recent_one(tmp_path, gloo_pool, faulted):

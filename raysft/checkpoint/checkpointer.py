@@ -221,6 +221,10 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.snapshot(state, held)
 
+    def holds_too_many(self, step: int, held: int) -> bool:
+        """Whether the metrics rows held must be logged before this step's snapshot (MemoryTier.holds_too_many)."""
+        return self.memory is not None and self.memory.holds_too_many(step, held)
+
     def snapshot_metrics(self) -> dict:
         """The memory tier's part of each step's metrics: the snapshots passed over so far (never silent)."""
         return {"memory_snapshots_skipped": self.memory.skipped} if self.memory is not None else {}

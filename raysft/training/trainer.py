@@ -167,7 +167,8 @@ class Trainer:
             self.stopped = due.stop
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
             evaluate = self.evaluator is not None and self.evaluator.due(step, due.scheduled)
-            if due.save or report or evaluate or step % t.log_every_n_steps == 0:  # the same steps on every rank
+            if due.save or report or evaluate or step % t.log_every_n_steps == 0 or \
+                    self.checkpointer.holds_too_many(step, len(self.totals.rows)):  # the same steps on every rank
                 metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
             self.state.eval_metrics = {k: v for k, v in metrics.items() if k.startswith("eval/")} if evaluate else None

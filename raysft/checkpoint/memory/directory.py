@@ -194,6 +194,22 @@ def keep_only(node_dir: Path, steps: set[int]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def forget_nodes(run: Path, nodes: set[str]) -> list[str]:
+    """Under the directory's lock: remove the run's folders on this host of every node but `nodes` (this launch's),
+    and return their names. A node id changes when its Ray node is started again, and logical nodes share a host's
+    memory: the folder of one this launch does not span is read by no rank and would hold node memory until the run
+    ends. Only folders raysft made (holding nothing but step folders) are looked at."""
+    removed = []
+    with directory_lock(run.parent):
+        for node in sorted(run.iterdir()):
+            if node.name in nodes or node.is_symlink() or not node.is_dir():
+                continue
+            if all(p.name.startswith(STEP_PREFIX) and p.is_dir() for p in node.iterdir()):
+                shutil.rmtree(node, ignore_errors=True)
+                removed.append(node.name)
+    return removed
+
+
 def remove_run(memory_dir: str | Path, run_id: str) -> None:
     """Every snapshot of the run on this host: at the end of a run, whatever ended it (in a memory_dir that is this
     user's alone: nothing is removed from one the tier would not use)."""

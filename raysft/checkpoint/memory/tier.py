@@ -38,6 +38,7 @@ from raysft.checkpoint.memory.directory import (
     arrive,
     check_memory_dir,
     directory_lock,
+    forget_nodes,
     keep_only,
     make_private_dirs,
     resolve_memory_dir,
@@ -53,6 +54,8 @@ from raysft.checkpoint.state import TrainingObjects, TrainState, trainer_state_d
 from raysft.config import CheckpointConfig
 from raysft.distributed.collectives import from_rank0
 from raysft.distributed.layout import ParallelDims
+
+MAX_HELD_ROWS = 8192  # metrics rows over every rank in a part's header (about 600 bytes each)
 
 
 class MemoryTier:
@@ -144,6 +147,12 @@ class MemoryTier:
         self.whole = state.step  # once written: every rank has agreed to write it, and the next one waits for it
         self.taken += 1
         return True
+
+    def holds_too_many(self, step: int, held: int) -> bool:
+        """Whether the `held` metrics rows of each rank are too many to go with the snapshot due at `step` (every
+        part carries every rank's: world size x held rows). safetensors refuses a header over 100 MB, so past
+        MAX_HELD_ROWS the trainer logs them before the snapshot, and it carries none."""
+        return bool(self.every) and not self.off and step % self.every == 0 and held * self.world_size > MAX_HELD_ROWS
 
     def prepare(self) -> None:
         """After a resume (from either tier): start allocating the staging buffer for the state just restored, in the
@@ -320,6 +329,10 @@ class MemoryTier:
         if found is None and (stored is not None or planned) and self.log is not None:
             self.log.event("memory_tier_not_used", reason="; ".join(reasons) or why, stored_step=stored or 0)
         keep_only(self.dir, {found.step} if found else set())
+        gone = forget_nodes(self.dir.parent, {str(n) for n in self.nodes})  # by whichever rank of a host is first
+        gone = sorted({n for each in self._gather(gone) for n in each})
+        if gone and self.log is not None:
+            self.log.event("memory_old_nodes_removed", nodes=gone)
         self.whole = found.step if found else None
         if found is None and untouched:  # (torch's _init_optim_state steps it once at lr 0): as it was, for a
             self.objs.optimizer.state.clear()  # fresh start or the stored checkpoint to fill
