@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_export.add_argument("checkpoint_dir", help="a checkpoint, or a run directory (see --checkpoint)")
     p_export.add_argument("out_dir")
     p_export.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
-                          help="in a run directory: the newest checkpoint, the one of lowest eval loss, or a step")
+                          help="in a run directory: the newest checkpoint, the best by the run's "
+                               "checkpoint.best_metric (or --metric), or a step")
+    p_export.add_argument("--metric", metavar="NAME", help="with --checkpoint best: rank by NAME (eval_loss, "
+                          "gen/<scorer>, eval/rewards/accuracies, ...) instead of the run's checkpoint.best_metric; "
+                          "lower is better for a name ending in loss, else higher")
     p_export.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     p_export.add_argument("--dtype", choices=get_args(Precision), default="fp32",
                           help="the exported weights' dtype (training keeps fp32; bf16 halves the export)")
@@ -87,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "or a run directory (--checkpoint)")
     p_eval.add_argument("eval_set", help="JSONL of prompts with their expected answers (builtin:demo-eval: the demo's)")
     p_eval.add_argument("--checkpoint", default="latest", metavar="latest|best|STEP",
-                        help="in a run directory: which checkpoint (best: by --config's checkpoint.best_metric)")
+                        help="in a run directory: which checkpoint (best: by --config's checkpoint.best_metric, "
+                             "else the run's)")
     p_eval.add_argument("--config", help="a run's YAML: its eval section and data.system_prompt (the flags below "
                                          "override them)")
     p_eval.add_argument("--scorers", help=f"comma-separated, of {', '.join(SCORERS)} (default: eval.scorers)")
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--force needs --export DIR")
     if args.command == "export" and args.max_shard_mb is not None and args.max_shard_mb <= 0:
         parser.error(f"--max-shard-mb must be at least 1, got {args.max_shard_mb}")
+    if args.command == "export" and args.metric and args.checkpoint != "best":
+        parser.error("--metric needs --checkpoint best")
 
     try:
         if args.command == "export":
@@ -160,10 +167,13 @@ def _end_stopped(code: int) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from raysft.checkpoint.retention import select_checkpoint
+    from raysft.checkpoint.retention import run_best, select_checkpoint
     from raysft.products.export import DEFAULT_SHARD_BYTES, export
 
-    ckpt = select_checkpoint(args.checkpoint_dir, args.checkpoint)
+    best = run_best(args.checkpoint_dir, args.metric)
+    ckpt = select_checkpoint(args.checkpoint_dir, args.checkpoint, best)
+    if args.checkpoint == "best":
+        print(f"raysft: the best checkpoint by {best[0]} ({'lowest' if best[1] == 'min' else 'highest'}): {ckpt}")
     shard_bytes = DEFAULT_SHARD_BYTES if args.max_shard_mb is None else args.max_shard_mb * 2**20
     out = export(ckpt, args.out_dir, overwrite=args.force, max_shard_bytes=shard_bytes, dtype=args.dtype,
                  merge=args.merge)
@@ -297,7 +307,7 @@ def _eval(args: argparse.Namespace) -> int:
     import transformers
 
     from raysft.checkpoint import CHECKPOINT_PREFIX
-    from raysft.checkpoint.retention import select_checkpoint
+    from raysft.checkpoint.retention import run_best, select_checkpoint
     from raysft.evals.runner import evaluate_model, run_settings, summary
     from raysft.products.directories import is_checkpoint
 
@@ -313,7 +323,8 @@ def _eval(args: argparse.Namespace) -> int:
         sets = [*recorded, *sets]
     config = resolve_paths(load_config(args.config, sets))
     transformers.utils.logging.disable_progress_bar()
-    best = (config.checkpoint.best_metric, best_mode(config.checkpoint))
+    # --config's ranking, else the one the run recorded at its latest launch
+    best = (config.checkpoint.best_metric, best_mode(config.checkpoint)) if args.config else run_best(args.model)
     where = location(args.model)
     run_or_checkpoint = is_checkpoint(where) or (where.is_dir() and bool(where.dirs(CHECKPOINT_PREFIX)))
     model = select_checkpoint(args.model, args.checkpoint, best) if run_or_checkpoint else args.model

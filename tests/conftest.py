@@ -182,14 +182,14 @@ def start_cluster(head_temp_dir: Path, **head_args):
 def tiny_config(tmp_path, **sections):
     """The demo, shrunk to seconds: short sequences, few steps of 8 samples (in micro-batches of 2: a step for 1, 2
     or 4 ranks; each micro-batch costs its own passes, and at 16 samples in 4s the suite's training took a third
-    longer), storage in tmp_path."""
+    longer), storage in tmp_path. A key given as None keeps its default."""
     from raysft.config import load_config
 
     overrides = {"data.max_seq_len": 96, "train.max_steps": 20, "train.warmup_steps": 2,
                  "train.global_batch_size": 8, "train.micro_batch_size": 2,
                  "train.log_every_n_steps": 5, "checkpoint.every_n_steps": 10, "run.name": "t",
                  "run.storage_path": str(tmp_path / "runs"), **sections}
-    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items() if v is not None])  # None: the default
 
 
 @contextlib.contextmanager

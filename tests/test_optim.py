@@ -109,6 +109,60 @@ def test_warmup_gives_step_s_the_rate_hf_gives_step_s_plus_1():
     assert all(math.isclose(lr_factor(s, cfg.train), hf_factor(s)) for s in range(4, 20))
 
 
+
+def test_a_resume_whose_schedule_length_changed_with_max_steps_alone_is_refused_and_schedule_steps_says_which():
+    """The scheduler's state records its length; resumed by a launch whose max_steps lays the cosine out over
+    another length, the LR would jump at once: refused, naming both ways on. train.schedule_steps at the old length
+    goes on at the schedule's final LR; set to the new one, or a change that warmup hides, or nothing left to
+    train, passes; a checkpoint that recorded no length is not checked."""
+    from raysft.training.optim import build_lr_scheduler, check_lr_continues
+
+    def resumed(step: int, saved: dict, **sets):
+        cfg = tiny_config(Path("/nonexistent"), **{"train.warmup_steps": 2, "train.lr": 1e-3, **sets}).train
+        scheduler = build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr), cfg)
+        scheduler.load_state_dict({**saved, "last_epoch": step})
+        check_lr_continues(scheduler, cfg, step)
+        return cfg, scheduler
+
+    first = tiny_config(Path("/nonexistent"), **{"train.warmup_steps": 2, "train.max_steps": 10}).train
+    saved = build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), first).state_dict()
+    assert saved["length"] == 10 and "resumed_length" not in saved
+    with pytest.raises(ConfigError, match=r"'train.max_steps': this launch lays the LR schedule out over 20 steps, "
+                                          r"but the run's checkpoint of step 10 is on one of 10: the LR would jump "
+                                          r"from 0\.0001 to 0\.000.* at step 11\. .* set train\.schedule_steps=10; .*"
+                                          r"set train\.schedule_steps=20"):
+        resumed(10, saved, **{"train.max_steps": 20})
+    cfg, scheduler = resumed(10, saved, **{"train.max_steps": 20, "train.schedule_steps": 10})
+    assert scheduler.length == 10 and scheduler.resumed_length == 10
+    assert [lr_factor(s, cfg) for s in (10, 15, 19)] == [0.1, 0.1, 0.1]  # min_lr_ratio from the old end on
+    resumed(10, saved, **{"train.max_steps": 20, "train.schedule_steps": 20})  # laid out again, knowingly
+    resumed(1, saved, **{"train.max_steps": 20})  # in warmup: the same LR on either length
+    resumed(10, saved, **{"train.max_steps": 10})  # nothing left to train
+    resumed(10, {k: v for k, v in saved.items() if k != "length"}, **{"train.max_steps": 20})  # an older checkpoint
+
+
+def test_num_epochs_is_max_steps_in_passes_over_the_store_and_not_both():
+    """An epoch is the store's samples // global_batch_size steps (a step takes global_batch_size samples over all
+    workers; the last partial batch is dropped); max_steps is num_epochs of them, rounded, at least 1. Setting
+    max_steps too is refused naming both keys, and so is a stop_at_step past the derived end."""
+    from raysft.launch.prelaunch import Stores, with_max_steps
+
+    def steps(samples: int, **sets) -> int:
+        config = load_config(None, [f"{k}={v}" for k, v in {"train.global_batch_size": 8, **sets}.items()])
+        return with_max_steps(config, Stores(Path("store"), None, samples)).train.max_steps
+
+    assert steps(1200, **{"train.num_epochs": 2}) == 300
+    assert steps(100, **{"train.num_epochs": 3}) == 36  # 12 full batches an epoch, 4 samples dropped
+    assert steps(100, **{"train.num_epochs": 0.5}) == 6
+    assert steps(8, **{"train.num_epochs": 0.01}) == 1
+    assert steps(1200, **{"train.max_steps": 7}) == 7  # without num_epochs: max_steps as it is
+    with pytest.raises(ConfigError, match=r"'train.max_steps' and 'train.num_epochs' are both set"):
+        load_config(None, ["train.max_steps=100", "train.num_epochs=2"])
+    with pytest.raises(ConfigError, match=r"'train.stop_at_step': 40 is past the run's end, step 36"):
+        steps(100, **{"train.num_epochs": 3, "train.stop_at_step": 40})
+    with pytest.raises(ConfigError, match=r"'train.num_epochs': must be >= 0"):
+        load_config(None, ["train.num_epochs=-1"])
+
 # --- a resume applies this launch's optimizer settings ---------------------------------------------------------
 
 SAVED = {"train.lr": 3e-3, "train.betas": [0.9, 0.95], "train.eps": 1e-8, "train.weight_decay": 0.01}

@@ -197,3 +197,45 @@ def test_checkpoints_saved_while_an_evaluation_runs_are_not_held_for_one(tmp_pat
         asyncio.run(run._in_loop(lambda c=reports[step].checkpoint, r=result:
                                  run.manager.update_checkpoints_with_validation_result({c: r})))
     assert run.on_disk() == run.tracked() == ["checkpoint_00000012"]
+
+
+def scored(ckpt: Path, step: int, score: float) -> None:
+    """The generation evaluation's record of `ckpt`, as the runner writes it: gen/exact_match = score."""
+    from raysft.checkpoint.gen_record import write_result
+
+    write_result(ckpt, {"step": step, "key": {}, "finished": 1000.0 + step, "metrics": {"gen/exact_match": score},
+                        "samples": 4, "table": "samples.jsonl", "engine": "hf", "started": 999.0, "seconds": 1.0,
+                        "cut": 0, "stderr": {"gen/exact_match": 0.25}})
+
+
+def test_export_checkpoint_best_ranks_by_the_run_s_best_metric_or_metric_and_names_one_no_checkpoint_has(
+        tmp_path, monkeypatch, capsys):
+    """`raysft export RUN --checkpoint best` ranks by the checkpoint.best_metric the run's latest launch recorded
+    (a gen/ score: no validation data, no eval loss), `--metric` overrides it, and a metric that no checkpoint
+    recorded is an error naming it."""
+    from raysft import cli
+    from raysft.checkpoint.discovery import LAUNCH_CONFIG_FILE, RUN_FILE
+    from raysft.products import export as export_module
+
+    run = tmp_path / "run"
+    for step, loss, score in ((2, 0.5, 0.25), (4, 0.9, 0.75), (6, 0.7, 0.5)):
+        scored(saved(run, step, loss), step, score)
+    (run / RUN_FILE).write_text("{}")
+    exported = []
+    monkeypatch.setattr(export_module, "export", lambda ckpt, out, **kw: exported.append(Path(ckpt).name) or out)
+
+    def best(*flags: str) -> str | None:
+        code = cli.main(["export", str(run), str(tmp_path / "out"), "--checkpoint", "best", *flags])
+        return exported.pop() if code == 0 else None
+
+    assert best() == "checkpoint_00000002"  # no record of the run's config (an older raysft's run): eval_loss
+    (run / LAUNCH_CONFIG_FILE).write_text(json.dumps({"checkpoint": {"best_metric": "gen/exact_match",
+                                                                    "best_mode": "auto"}}))
+    assert best() == "checkpoint_00000004"  # the highest score: gen/ is higher-is-better
+    assert "by gen/exact_match (highest)" in capsys.readouterr().out
+    assert best("--metric", "eval_loss") == "checkpoint_00000002"
+    (run / LAUNCH_CONFIG_FILE).write_text(json.dumps({"checkpoint": {"best_metric": "gen/exact_match",
+                                                                    "best_mode": "min"}}))
+    assert best() == "checkpoint_00000002"  # the run's own best_mode
+    assert best("--metric", "gen/contains") is None
+    assert "no checkpoint of the run has recorded gen/contains" in capsys.readouterr().err

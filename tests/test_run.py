@@ -252,7 +252,8 @@ def test_export_picks_the_best_latest_or_a_step_of_a_run(tmp_path, gloo_pool):
     --checkpoint best` exports the best, `--checkpoint latest` the latest."""
     best = {"data.eval_fraction": 0.05, "checkpoint.keep_best": 1}
     gloo_pool.run(launch, run_config(tmp_path, "best", **best, **{"train.max_steps": 3}))
-    cfg = run_config(tmp_path, "best", **best, **{"train.lr": 1.0, "train.max_steps": 9})  # a rate that makes it worse
+    cfg = run_config(tmp_path, "best", **best, **{"train.lr": 1.0, "train.max_steps": 9,  # a rate that makes it worse
+                                                  "train.schedule_steps": 9})  # laid out again over the 9 steps
     gloo_pool.run(launch, cfg)  # resumed at step 3 with the higher rate
     evals = {m["step"]: m["eval_loss"] for m in read_metrics(cfg.run_dir) if "eval_loss" in m}
     assert sorted(evals) == [3, 6, 9]

@@ -357,7 +357,8 @@ def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp
     split = set((run / "checkpoint_00000004").files())
     assert {"model.safetensors.index.json", "optimizer.safetensors.index.json"} <= split, split
     assert "model.safetensors" not in split
-    s3_processes.run(launch, tiny_config(tmp_path, **{**sets, "checkpoint.mode": "full", "train.max_steps": 5}))
+    s3_processes.run(launch, tiny_config(tmp_path, **{**sets, "checkpoint.mode": "full", "train.max_steps": 5,
+                                                      "train.schedule_steps": 5}))  # its LR laid out again
     assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3, 4]
     assert [d.name for d in run.dirs("checkpoint_")] == ["checkpoint_00000004", "checkpoint_00000005"]
 

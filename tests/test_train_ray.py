@@ -140,7 +140,8 @@ def test_a_validation_task_scores_each_checkpoint_beside_training_a_relaunch_red
                                                        "eval.num_gpus": 1}))
     assert [m["step"] for m in read_metrics(cfg.run_dir) if "loss" in m] == [1, 2, 3, 4, 5, 6]
 
-    relaunch = tiny_config(validated_run.tmp, **{**validated_run.sets, "train.max_steps": 10})
+    relaunch = tiny_config(validated_run.tmp, **{**validated_run.sets, "train.max_steps": 10,
+                                                 "train.schedule_steps": 10})  # a longer run, its LR laid out again
     eval_set = Path(relaunch.eval.path)
     mover = threading.Thread(target=move_away_once_resumed, args=(cfg.run_dir, eval_set), daemon=True)
     mover.start()  # the eval set gone from the node once the launch read it: its evaluations fail

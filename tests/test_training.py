@@ -200,3 +200,47 @@ def test_export_in_bf16_fp16_fp32_with_a_generation_config_that_stops_at_the_end
     write_generation_config(out)
     eos = GenerationConfig.from_pretrained(out).eos_token_id
     assert sorted(eos) == sorted([tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id])
+
+
+@pytest.mark.slow  # three launches (some 45 s on 2 cores); tests/test_optim.py and test_config.py hold the rules
+def test_num_epochs_sets_the_run_s_steps_and_training_it_further_keeps_the_lr_from_jumping_back_up(tmp_path,
+                                                                                                   gloo_pool):
+    """train.num_epochs: 24 conversations in global batches of 8 are 3 steps an epoch (on 2 ranks, in micro-batches
+    of 2), so 2 epochs are 6 steps, and the LR schedule is laid out on them. Training the finished run further by a
+    third epoch is refused while its schedule's length would change with num_epochs alone (the LR would jump back
+    up); with train.schedule_steps at the run's 6 steps it goes on at the schedule's final LR."""
+    import dataclasses
+    import math
+
+    from conftest import promise
+
+    from raysft.checkpoint import STATE_FILE
+    from raysft.checkpoint.discovery import LAUNCH_CONFIG_FILE
+    from raysft.training.optim import lr_factor
+
+    data = tmp_path / "small.json"
+    demo = Path(raysft.__file__).parent / "assets" / "demo" / "conversations.json"
+    data.write_text(json.dumps(json.loads(demo.read_text())[:24]))
+    sets = {"data.paths": json.dumps([str(data)]), "train.max_steps": None, "train.num_epochs": 2,
+            "train.lr": 1e-3, "train.warmup_steps": 1}
+    cfg = tiny_config(tmp_path, **sets)
+    gloo_pool.run(launch, cfg)
+    lrs = {m["step"]: m["lr"] for m in read_metrics(cfg.run_dir) if "loss" in m}
+    with promise("num_epochs 2: two passes of 24 // 8 = 3 steps"):
+        assert sorted(lrs) == [1, 2, 3, 4, 5, 6]
+        state = json.loads((cfg.run_dir / "checkpoint_00000006" / STATE_FILE).read_text())
+        assert state["cursor"] == {"seed": 0, "epoch": 1, "consumed": 24}
+        assert json.loads((cfg.run_dir / LAUNCH_CONFIG_FILE).read_text())["train"]["max_steps"] == 6
+    with promise("the LR schedule is laid out on the 6 steps"):
+        six = dataclasses.replace(cfg.train, max_steps=6)
+        assert all(math.isclose(lr, 1e-3 * lr_factor(step - 1, six)) for step, lr in lrs.items()), lrs
+    with promise("a third epoch that lays the schedule out again is refused"), \
+            pytest.raises(RuntimeError, match=r"ConfigError: .*the LR would jump from 0\.0001 to .* at step 7.*"
+                                              r"set train\.schedule_steps=6"):  # every rank's, through the pool
+        gloo_pool.run(launch, tiny_config(tmp_path, **{**sets, "train.num_epochs": 3}))
+    gloo_pool.run(launch, tiny_config(tmp_path, **{**sets, "train.num_epochs": 3, "train.schedule_steps": 6}))
+    further = {m["step"]: m["lr"] for m in read_metrics(cfg.run_dir) if "loss" in m and m["step"] > 6}
+    with promise("with schedule_steps at the run's length, the third epoch goes on at the final LR"):
+        assert sorted(further) == [7, 8, 9]
+        assert further[7] <= lrs[6], (lrs[6], further)  # no jump back up
+        assert all(math.isclose(lr, 1e-3 * cfg.train.min_lr_ratio) for lr in further.values()), further

@@ -17,6 +17,7 @@ CHECKPOINT_PREFIX = "checkpoint_"  # + zero-padded step: names sort by step
 RUN_FILE = "raysft_run.json"  # what defines the run, recorded at its first launch (raysft.launch.prelaunch)
 RUN_ID_KEY = "run_id"  # in RUN_FILE: this run, not another of the same name started over with --fresh
 SET_ASIDE_KEY = "set_aside"  # in RUN_FILE: the ids of the runs --fresh replaced (their snapshots are reclaimed)
+LAUNCH_CONFIG_FILE = "raysft_config.json"  # the whole config of the run's latest launch (TrainConfig.to_dict)
 
 
 def checkpoint_name(step: int, taken: frozenset[str] | set[str] = frozenset()) -> str:

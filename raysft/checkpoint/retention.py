@@ -21,10 +21,11 @@ import json
 import math
 from pathlib import Path
 
-from raysft.checkpoint.discovery import checkpoint_dirs
+from raysft.checkpoint.discovery import LAUNCH_CONFIG_FILE, checkpoint_dirs
 from raysft.checkpoint.gen_record import recorded_metric
 from raysft.checkpoint.manifest import MANIFEST_FILE, incomplete_reason
 from raysft.checkpoint.state import STATE_FILE, CheckpointError
+from raysft.config import CheckpointConfig, best_mode
 from raysft.storage import Location, location, native
 
 
@@ -39,6 +40,23 @@ def eval_loss(ckpt) -> float | None:
 
 
 LOWEST_EVAL_LOSS = ("eval_loss", "min")  # checkpoint.best_metric and its mode (min or max) by default
+
+
+def run_best(run_dir, metric: str | None = None) -> tuple[str, str]:
+    """What `--checkpoint best` ranks a run's checkpoints by, and whether lower or higher is better: `metric` (the
+    CLI's --metric) when given, else the checkpoint.best_metric and best_mode of the run's latest launch, which it
+    recorded in LAUNCH_CONFIG_FILE; a run without that record (an older raysft's), eval_loss. The mode is the
+    recorded best_mode for the recorded metric, else the rule of best_mode "auto" (min for ...loss, else max)."""
+    try:
+        recorded = json.loads((location(run_dir) / LAUNCH_CONFIG_FILE).read_text())["checkpoint"]
+        mode = recorded.get("best_mode")
+        ranking = CheckpointConfig(best_metric=str(recorded["best_metric"]),
+                                   best_mode=mode if mode in ("min", "max") else "auto")
+    except (OSError, ValueError, KeyError, TypeError):
+        ranking = CheckpointConfig()
+    if metric is not None and metric != ranking.best_metric:
+        ranking = CheckpointConfig(best_metric=metric)
+    return ranking.best_metric, best_mode(ranking)
 
 
 def best_first(checkpoints: list, best: tuple[str, str] = LOWEST_EVAL_LOSS) -> list:
@@ -107,8 +125,9 @@ def select_checkpoint(path: str | object, which: str = "latest",
     if which == "best":
         ranked = best_first(candidates, best)
         if not ranked:
-            raise CheckpointError(f"{path}: no checkpoint has recorded {best[0]} (eval_loss needs data.eval_paths or "
-                                  "data.eval_fraction, a gen/ score the eval section); pick latest or a step")
+            raise CheckpointError(f"{path}: no checkpoint of the run has recorded {best[0]}, the metric --checkpoint "
+                                  "best ranks by (eval_loss needs data.eval_paths or data.eval_fraction, a gen/ "
+                                  "score the eval section): pick another with --metric, or latest or a step")
         return ranked[0]
     if not which.isdigit():
         raise CheckpointError(f"--checkpoint {which!r}: expected latest, best or a step number")

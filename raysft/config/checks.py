@@ -62,12 +62,14 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_train(t: TrainLoopConfig) -> None:
     _require(t.max_steps > 0, "train.max_steps", f"must be > 0, got {t.max_steps}")
-    _require(0 <= t.stop_at_step <= t.max_steps, "train.stop_at_step",
-             f"must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")
+    _require(t.num_epochs >= 0, "train.num_epochs", f"must be >= 0, got {t.num_epochs}")
+    _require(t.stop_at_step >= 0 and (t.num_epochs > 0 or t.stop_at_step <= t.max_steps), "train.stop_at_step",
+             f"must be in [0, train.max_steps={t.max_steps}], got {t.stop_at_step}")  # num_epochs: once in steps
     _require(t.micro_batch_size > 0, "train.micro_batch_size", f"must be > 0, got {t.micro_batch_size}")
     _require(t.micro_batch_tokens >= 0, "train.micro_batch_tokens", f"must be >= 0, got {t.micro_batch_tokens}")
     _require(t.loss_chunk_tokens >= 0, "train.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
     _require(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _require(t.schedule_steps >= 0, "train.schedule_steps", f"must be >= 0, got {t.schedule_steps}")
     _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
     _require(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}")
     _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0, got {t.weight_decay}")

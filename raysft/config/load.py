@@ -51,6 +51,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             node[leaf] = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML: {' '.join(str(e).split())}") from e
+    train = data.get("train")
+    if isinstance(train, dict) and train.get("num_epochs") and "max_steps" in train:
+        raise ConfigError("config keys 'train.max_steps' and 'train.num_epochs' are both set: the run's length is one "
+                          "of them (num_epochs: max_steps is derived from the data's size); remove the other")
     return config_from_dict(data)
 
 

@@ -100,6 +100,10 @@ class DataConfig:
 class TrainLoopConfig:
     max_steps: int = 300
     """Length of the run: the LR schedule and the data order are laid out for this many optimizer steps."""
+    num_epochs: float = 0.0
+    """Instead of max_steps (setting both is refused): the run's length in passes over the training data, as TRL's
+    num_train_epochs. max_steps becomes num_epochs × (the store's samples // global_batch_size), at least 1: a step
+    takes global_batch_size samples whatever the workers and micro-batches. 0: max_steps."""
     stop_at_step: int = 0
     """If set, checkpoint at this step and exit (time-boxed jobs); launching again without it continues."""
     seed: int = 0
@@ -125,6 +129,10 @@ class TrainLoopConfig:
     warmup_steps: int = 20
     """Linear warmup to lr: step s (0-based) runs at (s + 1) / warmup_steps × lr, so the first step already
     learns (the Hugging Face Trainer's step s runs at s / warmup_steps × lr: its first step at 0)."""
+    schedule_steps: int = 0
+    """Where the cosine decay reaches min_lr_ratio × lr, which the LR then keeps; 0: max_steps. To train a finished
+    run further, raise max_steps and set this to the run's old length (docs/RUNS.md, "Train further"): a resume
+    whose schedule length changed with max_steps alone is refused, as its LR would jump."""
     weight_decay: float = 0.01
     """AdamW's decoupled weight decay, on every trained parameter but those of weight_decay_exclude."""
     weight_decay_exclude: list[str] = field(default_factory=lambda: ["bias", "norm"])
@@ -220,7 +228,8 @@ class CheckpointConfig:
     A checkpoint without the metric (not validated, or its generation evaluation failed) ranks last. `raysft export
     RUN_DIR OUT --checkpoint best` exports the best."""
     best_metric: str = "eval_loss"
-    """What keep_best ranks by: eval_loss (needs data.eval_paths or data.eval_fraction), another validation metric
+    """What keep_best and `raysft export RUN_DIR OUT --checkpoint best` rank by (export: the run's latest launch's
+    value, unless --metric): eval_loss (needs data.eval_paths or data.eval_fraction), another validation metric
     of that pass (eval/rewards/accuracies, eval/rewards/margins with train.objective dpo), or a generation score
     gen/<scorer> of the `eval` section (one of eval.scorers)."""
     best_mode: Literal["auto", "min", "max"] = "auto"

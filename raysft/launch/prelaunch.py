@@ -10,6 +10,7 @@ hyperparameters such as train.max_steps (to train longer) or train.lr, which app
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -18,7 +19,14 @@ from typing import NamedTuple
 
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from raysft.checkpoint.discovery import RUN_FILE, RUN_ID_KEY, SET_ASIDE_KEY, new_run_id, read_run_id
+from raysft.checkpoint.discovery import (
+    LAUNCH_CONFIG_FILE,
+    RUN_FILE,
+    RUN_ID_KEY,
+    SET_ASIDE_KEY,
+    new_run_id,
+    read_run_id,
+)
 from raysft.config import ConfigError, TrainConfig
 from raysft.data.tokenizer import load_tokenizer
 from raysft.errors import ModelDirError, WeightsFileError
@@ -45,10 +53,12 @@ WEIGHTS_KEY = "model.weights"  # the fingerprint of model.path's files (raysft.h
 
 
 class Stores(NamedTuple):
-    """The tokenized stores a launch reads: training, and validation (None without data.eval_paths/eval_fraction)."""
+    """The tokenized stores a launch reads: training, and validation (None without data.eval_paths/eval_fraction);
+    and the training store's samples (DPO: pairs), which train.num_epochs counts in (`with_max_steps`)."""
 
     train: Path
     eval: Path | None = None
+    train_samples: int = 0
 
 
 def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
@@ -72,10 +82,35 @@ def prepare_launch(config: TrainConfig, fresh: bool = False) -> Stores:
         print(f"raysft: eval store {eval_store.path} ({eval_store.num_samples} samples"
               f"{', reused' if eval_store.reused else ''})", flush=True)
     check_batch(config, objective, store.num_samples)
+    stores = Stores(store.path, eval_store.path if eval_store else None, objective.samples_in(store.num_samples))
+    launched = with_max_steps(config, stores)  # train.num_epochs in steps: refused here, before the run is claimed
+    if config.train.num_epochs:
+        print(f"raysft: train.num_epochs={config.train.num_epochs:g}: {launched.train.max_steps} steps of "
+              f"{config.train.global_batch_size} of the {stores.train_samples} {objective.sample}", flush=True)
     moved = claim_run_dir(config, store.path.name, fresh)
     if moved:
         print(f"raysft: --fresh: the previous run is kept in {moved}", flush=True)
-    return Stores(store.path, eval_store.path if eval_store else None)
+    # what this launch was given, for what reads the run later (`raysft export --checkpoint best`: best_metric)
+    (location(config.run_dir) / LAUNCH_CONFIG_FILE).write_text(json.dumps(launched.to_dict(), indent=1))
+    return stores
+
+
+def with_max_steps(config: TrainConfig, stores: Stores) -> TrainConfig:
+    """The config of this launch with train.num_epochs as optimizer steps over the training store: each step takes
+    train.global_batch_size samples (DPO: pairs) from the one global data cursor, whatever the data-parallel width,
+    micro-batches, gradient accumulation or packing (raysft.data.dataloader.GlobalBatchSampler), and an epoch's last
+    partial batch is dropped, so an epoch is samples // global_batch_size steps; max_steps is num_epochs of them,
+    rounded, at least 1. The LR schedule, the progress lines and the checkpoint cadence's end are laid out on it.
+    The config itself without num_epochs. Every launch of a run derives the same steps: its data cannot change."""
+    t = config.train
+    if not t.num_epochs:
+        return config
+    per_epoch = stores.train_samples // t.global_batch_size
+    max_steps = max(1, round(t.num_epochs * per_epoch))
+    if t.stop_at_step > max_steps:
+        raise ConfigError(f"config key 'train.stop_at_step': {t.stop_at_step} is past the run's end, step "
+                          f"{max_steps} (train.num_epochs={t.num_epochs:g} of {per_epoch} steps)")
+    return dataclasses.replace(config, train=dataclasses.replace(t, max_steps=max_steps))
 
 
 def check_eval_set(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -24,7 +24,7 @@ from raysft.errors import CannotPlaceWorkers
 from raysft.evals.validation import VALIDATION_TASK_RESOURCES, validation_kwargs
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
-from raysft.launch.prelaunch import Stores, prepare_launch
+from raysft.launch.prelaunch import Stores, prepare_launch, with_max_steps
 from raysft.launch.ray_controller import (
     RAY_GRACE_S,
     EndRunOnRecordedError,
@@ -78,6 +78,7 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
     lease = RunLease(config.run_dir)
     lease.check_free()  # before the data is tokenized, and before --fresh moves a live launch's run away
     stores = prepare_launch(config, fresh)
+    config = with_max_steps(config, stores)  # train.num_epochs in steps, before the workers get the config
     with lease.take():
         return _fit(config, stores)
 

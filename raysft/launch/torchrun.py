@@ -30,7 +30,7 @@ from raysft.errors import RunInUse, ends_the_run, run_ending_type
 from raysft.evals.validation import EvaluatingSink
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
-from raysft.launch.prelaunch import Stores, prepare_launch
+from raysft.launch.prelaunch import Stores, prepare_launch, with_max_steps
 from raysft.launch.signals import EXIT_SIGINT, EXIT_SIGTERM, WorkerSignals, exit_process, stop_message
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
 
@@ -198,6 +198,7 @@ def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext,
                 stop_requested: Callable[[], bool] = lambda: False) -> Trainer:
     """Collective: the Trainer of this launch, resuming, with the sink for the run's storage; with an eval section,
     each committed checkpoint is evaluated in-process, blocking training (raysft.evals.validation.EvaluatingSink)."""
+    config = with_max_steps(config, stores)  # train.num_epochs in steps, the same on every rank
     taken = existing_checkpoint_names(config.run_dir)
     c = config.checkpoint
     best = (c.best_metric, best_mode(c))

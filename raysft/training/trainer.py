@@ -42,7 +42,7 @@ from raysft.training.metrics import (
     training_flops,
 )
 from raysft.training.objective import Worker, objective_for
-from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer
+from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer, check_lr_continues
 from raysft.training.step_guard import StepGuard
 
 
@@ -137,6 +137,7 @@ class Trainer:
         # before the restore replaces the starting weights (a DPO reference pass)
         self.evaluator = self.objective.evaluator(eval_store, self.model, worker) if eval_store else None
         self.state, held = self.checkpointer.restore(resume, t.seed)
+        check_lr_continues(self.scheduler, t, self.state.step)  # a longer run must not make the LR jump back up
         if held is not None:  # a snapshot's metrics rows, not yet logged
             self.totals.hold(held.rows, held.values, ctx.rank, ctx.world_size, held.same_world)
         self.log.open_trackers(cfg, self.state.step if resume.found else None)
