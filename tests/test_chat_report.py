@@ -210,3 +210,29 @@ def test_report_without_matplotlib_says_how_to_install_it(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 1 and "pip install 'raysft[report]'" in out.stderr
     assert not (tmp_path / "report.png").exists()
+
+
+def test_loading_a_model_to_answer_prints_no_progress_bar_and_leaves_the_setting_as_it_was(tmp_path, capfd):
+    """`make demo` ends with the answer (`raysft train --export DIR --prompt`), not transformers' "Loading weights"
+    bar before it; a caller's own setting of transformers' progress bars is the same after the load."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from raysft.model.build import preset_config
+
+    tok = load_tokenizer(ModelConfig(), "auto")
+    LlamaForCausalLM(preset_config("demo-tiny", tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    before = hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.enable_progress_bar()
+        capfd.readouterr()
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert "Loading weights" in capfd.readouterr().err, "transformers draws no bar here: the test sees nothing"
+        for bars_on in (True, False):
+            (hf_logging.enable_progress_bar if bars_on else hf_logging.disable_progress_bar)()
+            generate_answer(tmp_path, Q1, max_new_tokens=2)
+            assert "Loading weights" not in capfd.readouterr().err, "a progress bar before the answer"
+            assert hf_logging.is_progress_bar_enabled() == bars_on, "the caller's progress-bar setting changed"
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()

@@ -8,13 +8,16 @@ the weights, so apply_chat_template here renders a conversation exactly as train
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from raysft.checkpoint import (
     MANIFEST_FILE,
@@ -46,8 +49,13 @@ class ChatModel:
     @classmethod
     def load(cls, path: str | os.PathLike) -> ChatModel:
         """An HF model directory as it is, or a raysft checkpoint: a full one is an HF directory once checked
-        complete; a sharded one is exported to a temporary directory first (export checks it)."""
-        path = Path(path).expanduser()
+        complete; a sharded one is exported to a temporary directory first (export checks it). No progress bar:
+        what the user reads after a load is the answer (`raysft train --export DIR --prompt`, `raysft chat`)."""
+        with no_progress_bars():
+            return cls._load(Path(path).expanduser())
+
+    @classmethod
+    def _load(cls, path: Path) -> ChatModel:
         what = kind(path)
         if what == "checkpoint":
             state = read_trainer_state(path)
@@ -99,6 +107,19 @@ class ChatModel:
                                      pad_token_id=self.tokenizer.pad_token_id,
                                      eos_token_id=self.stop_ids)
         return self.tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars (from_pretrained's "Loading weights") off for the block, and back on after it
+    if they were on: a caller that turned them off keeps them off."""
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def stop_ids(generation_config, tokenizer: PreTrainedTokenizerBase) -> list[int]:
