@@ -408,6 +408,23 @@ def test_the_metrics_rows_a_part_carries_are_bounded_and_every_step_is_logged_on
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+def test_a_file_every_rank_of_its_node_lists_is_one_part_so_one_set_aside_is_never_read_again():
+    """Ranks 0 and 1 share node a and both list its files; rank 2 alone lists node b's. Each file is kept once,
+    as listed by the lowest rank of its node, so that a file set aside is not tried again as rank 1's listing of
+    it. Before, a bad part on a node of several ranks was read (or sent) once for each of them before its other
+    copy was tried (seen on logical nodes: bench/recovery.py --spoil flip)."""
+    from raysft.checkpoint.memory.discovery import Held, one_per_file
+
+    def held(rank: int, holder: int, path: str) -> Held:
+        return Held(8, rank, holder, path, "a" * 24, rank, 3, {})
+
+    listed = [held(0, 1, "/shm/a/rank_0"), held(1, 1, "/shm/a/rank_1"), held(0, 0, "/shm/a/rank_0"),
+              held(1, 0, "/shm/a/rank_1"), held(0, 2, "/shm/a/rank_0"), held(2, 2, "/shm/b/rank_2")]
+    kept = one_per_file(listed, ["a", "a", "b"])
+    assert sorted((h.rank, h.holder, h.path) for h in kept) == [
+        (0, 0, "/shm/a/rank_0"), (0, 2, "/shm/a/rank_0"), (1, 0, "/shm/a/rank_1"), (2, 2, "/shm/b/rank_2")]
+
+
 def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 1's part of step 8 is left only by another launch attempt (a node left out of one attempt keeps its
     files): step 8 is not whole in any one attempt, and the run resumes from step 7, whole in the attempt that

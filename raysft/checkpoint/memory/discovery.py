@@ -66,6 +66,15 @@ def list_parts(node_dir: Path, run_id: str, holder: int) -> tuple[list[Held], li
     return found, ignored
 
 
+def one_per_file(parts: list[Held], nodes: Sequence[Hashable]) -> list[Held]:
+    """Each file once, listed by the lowest rank of its node: the ranks of a node all list its directory, and a
+    file set aside must not come back as another rank's (read again, or sent again, in vain)."""
+    first: dict[tuple, Held] = {}
+    for held in sorted(parts, key=lambda h: h.holder):
+        first.setdefault((nodes[held.holder], held.path), held)
+    return list(first.values())
+
+
 def plan_resume(parts: list[Held], dims: ParallelDims, cut: dict,
                 targets: dict[str, torch.Tensor]) -> tuple[Plan | None, str]:
     """The newest step one attempt left whole (this launch's `dims`, every rank's node among them, and `cut`, its

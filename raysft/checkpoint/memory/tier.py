@@ -45,7 +45,7 @@ from raysft.checkpoint.memory.directory import (
     room_problem,
     step_dir,
 )
-from raysft.checkpoint.memory.discovery import Held, Plan, list_parts, plan_resume
+from raysft.checkpoint.memory.discovery import Held, Plan, list_parts, one_per_file, plan_resume
 from raysft.checkpoint.memory.files import FORMAT, flatten, state_dicts, write_part
 from raysft.checkpoint.memory.restore import Found, HeldRows, apply, read
 from raysft.checkpoint.memory.staging import Stager
@@ -345,7 +345,7 @@ class MemoryTier:
         if self.log is not None:
             for path, problem in sorted({item for _, bad in everyone for item in bad}):
                 self.log.event("memory_part_ignored", file=path, reason=problem)
-        return [h for found, _ in everyone for h in found]
+        return one_per_file([h for found, _ in everyone for h in found], self.nodes)
 
     def _attempt(self, plan: Plan) -> tuple[Found | None, str, set[Held] | None]:
         """Collective: the plan's parts sent where they are read, then read and checked on every rank. Returns the
