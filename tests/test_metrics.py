@@ -68,6 +68,22 @@ def test_progress_bar_follows_this_launchs_rows_only(tmp_path):
     assert out.getvalue() == "\r\033[K" + "██████" + "·" * 18 + "  25% " + progress_line(2, 8, ROW, 30)
 
 
+
+def test_progress_bar_counts_to_the_steps_this_launch_derived_from_num_epochs(tmp_path):
+    """With train.num_epochs the config's max_steps is not the run's length: the driver derives it from the data's
+    size and records the launch (LAUNCH_CONFIG_FILE) before the first step; the bar counts to that, and to the
+    config's where no launch was recorded."""
+    from raysft.checkpoint.discovery import LAUNCH_CONFIG_FILE
+
+    (tmp_path / LAUNCH_CONFIG_FILE).write_text(json.dumps({"train": {"max_steps": 40, "num_epochs": 2}}))
+    out = io.StringIO()
+    bar = ProgressBar(tmp_path, max_steps=300, out=out)  # the config's default max_steps
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 10, "time": 1, **ROW, "eta_s": 30}) + "\n")
+    bar.poll()
+    assert out.getvalue() == "\r\033[K" + "██████" + "·" * 18 + "  25% " + progress_line(10, 40, ROW, 30)
+    unrecorded = ProgressBar(tmp_path / "none", max_steps=300, out=io.StringIO())
+    assert unrecorded._launched_steps() == 300
+
 def test_step_totals_wait_for_the_device_once_per_reduction(tmp_path):
     """Three steps held back, then one reduction (a gloo group of one): each row's loss is its own, throughput is
     that of the window since the first step began, and the last row's time is when the reduction ended."""

@@ -163,6 +163,42 @@ def test_num_epochs_is_max_steps_in_passes_over_the_store_and_not_both():
     with pytest.raises(ConfigError, match=r"'train.num_epochs': must be >= 0"):
         load_config(None, ["train.num_epochs=-1"])
 
+
+@pytest.mark.parametrize("reached", [30, 20])
+def test_torchrun_says_stopped_early_only_before_the_steps_num_epochs_derived(tmp_path, monkeypatch, capsys,
+                                                                               reached):
+    """A SIGTERM under torchrun: exit 143 and "stopped by SIGTERM" only if the launch stopped before its end, and
+    with train.num_epochs that end is derived from the data's size (here 2 epochs of 120 // 8 = 30 steps), not the
+    config's max_steps (300 by default): a run that reached step 30 finished."""
+    from types import SimpleNamespace
+
+    from raysft.launch import torchrun
+    from raysft.launch.prelaunch import Stores
+    from raysft.launch.signals import EXIT_SIGTERM
+
+    class Trainer:  # what the launch trains with: the config the launch derived, and the step it got to
+        def __init__(self, cfg, *args, **kwargs):
+            self.cfg = cfg
+
+        def train(self):
+            return {"step": reached}
+
+    monkeypatch.setattr(torchrun, "prepare_on_rank0", lambda *a, **k: Stores(tmp_path / "store", None, 120))
+    monkeypatch.setattr(torchrun, "resume_trainer", Trainer)
+    monkeypatch.setattr(torchrun, "WorkerSignals", lambda grace_s: SimpleNamespace(
+        requested=SimpleNamespace(is_set=lambda: True)))  # a SIGTERM came during the launch
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        code, _ = torchrun.run_launch(SimpleNamespace(rank=0, world_size=1), None, [
+            "train.num_epochs=2", "train.global_batch_size=8", f"run.storage_path={tmp_path}"])
+    finally:
+        dist.destroy_process_group()
+    stderr = capsys.readouterr().err
+    if reached == 30:
+        assert (code, stderr) == (0, ""), "a run that reached its derived end was said to stop early"
+    else:
+        assert code == EXIT_SIGTERM and "step 20" in stderr, stderr
+
 # --- a resume applies this launch's optimizer settings ---------------------------------------------------------
 
 SAVED = {"train.lr": 3e-3, "train.betas": [0.9, 0.95], "train.eps": 1e-8, "train.weight_decay": 0.01}

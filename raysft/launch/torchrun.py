@@ -71,7 +71,7 @@ def run_launch(ctx: WorkerContext, config_path: str | None, overrides: list[str]
         config = load_config(config_path, overrides)
         signals = WorkerSignals(config.run.stop_grace_s)
         done = launch(ctx, config, fresh, signals.requested.is_set)
-        if signals.requested.is_set() and done["step"] < (config.train.stop_at_step or config.train.max_steps):
+        if signals.requested.is_set() and done["step"] < done["end_step"]:
             if ctx.rank == 0:  # stopped early, at a step every rank checkpointed
                 print(stop_message(signal.SIGTERM, config.run_dir, f"step {done['step']}"), file=sys.stderr)
             return EXIT_SIGTERM, True
@@ -153,7 +153,8 @@ def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False,
            stop_requested: Callable[[], bool] = lambda: False) -> dict:
     """Collective: one launch of the run on an initialized process group: prepare, claim, train (resuming) until
     the end or until `stop_requested` holds on some rank (then at a checkpointed step). A relative path in the config
-    means what it means in the directory torchrun runs in, as under Ray (raysft.launch.paths)."""
+    means what it means in the directory torchrun runs in, as under Ray (raysft.launch.paths). What `train`
+    returns."""
     config = resolve_paths(config)
     lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
     stores = prepare_on_rank0(config, fresh, lease)
@@ -190,8 +191,12 @@ def prepare_on_rank0(config: TrainConfig, fresh: bool, lease: RunLease | None = 
 
 def train(config: TrainConfig, stores: Stores, ctx: WorkerContext,
           stop_requested: Callable[[], bool] = lambda: False) -> dict:
-    """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint."""
-    return run_trainer(config, stores, ctx, stop_requested).train()
+    """Collective: train the run to train.max_steps (or stop_at_step), resuming from its newest checkpoint. The
+    last logged metrics with "step", the step reached, and "end_step", the step this launch was to end at (with
+    train.num_epochs, derived from the data's size: the config's max_steps is not the run's length)."""
+    trainer = run_trainer(config, stores, ctx, stop_requested)
+    t = trainer.cfg.train
+    return {**trainer.train(), "end_step": t.stop_at_step or t.max_steps}
 
 
 def run_trainer(config: TrainConfig, stores: Stores, ctx: WorkerContext,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from raysft.checkpoint.discovery import LAUNCH_CONFIG_FILE
 from raysft.config import TrainConfig
 from raysft.distributed.collectives import any_rank
 from raysft.storage import Location, scratch_file
@@ -287,10 +288,15 @@ def matmul_parameters(model: torch.nn.Module) -> int:
 
 class ProgressBar:
     """The driver's view of a run on an interactive terminal: a bar with ETA redrawn in place from the run's
-    metrics.jsonl (the workers' own stdout is a log file, never a terminal). Use as a context manager."""
+    metrics.jsonl (the workers' own stdout is a log file, never a terminal). Use as a context manager.
+
+    `max_steps` is the config's; the run's length is what this launch's driver recorded in LAUNCH_CONFIG_FILE
+    before its first step (train.num_epochs derived into steps from the data's size), read at this launch's first
+    row, as the workers' own progress lines count it."""
 
     def __init__(self, run_dir: Path, max_steps: int, out=sys.stderr, interval_s: float = 0.5, width: int = 24):
         self.path, self.max_steps, self.out = run_dir / METRICS_FILE, max_steps, out
+        self.launch_file = run_dir / LAUNCH_CONFIG_FILE
         self.interval_s, self.width = interval_s, width
         self._offset = self._end_of_file()
         self._last: dict | None = None
@@ -331,9 +337,17 @@ class ProgressBar:
         rows = [json.loads(line) for line in complete.splitlines() if line.strip()]
         steps = [r for r in rows if "loss" in r]
         if steps:
+            if self._last is None:  # this launch's first row: its driver has recorded the launch
+                self.max_steps = self._launched_steps()
             self._last = steps[-1]
             self.out.write("\r\033[K" + self.render(self._last))
             self.out.flush()
+
+    def _launched_steps(self) -> int:
+        try:
+            return int(json.loads(self.launch_file.read_text())["train"]["max_steps"])
+        except (OSError, ValueError, KeyError, TypeError):  # no record (a launch that wrote none): the config's
+            return self.max_steps
 
     def render(self, row: dict) -> str:
         done = min(1.0, row["step"] / self.max_steps)
