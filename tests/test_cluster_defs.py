@@ -6,6 +6,7 @@ jobs, and whose stop ends only what it started.)"""
 
 import copy
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -224,3 +225,49 @@ def test_a_bad_script_option_is_a_usage_error_naming_it_before_anything_is_made(
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert f"{script}: {message}\nusage: " in out.stderr, out.stderr
     assert not state.exists()
+
+
+# --- KubeRay GPU pods: room for what the configs they run need on a node --------------------------------------
+
+# The configs each manifest's GPU pods run: the RayJob's entrypoint; the RayCluster takes either multi-node config
+RUNS_ON = {"RayJob": ["llama3-8b-2x8-hsdp.yaml"], "RayCluster": ["llama3-8b-2x8-hsdp.yaml", "llama3-70b-4x8.yaml"]}
+WORKER_PROCESS_GIB = 8  # a worker process itself (torch, CUDA, the data loader), which plan does not count
+
+
+def gib(quantity: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(Gi|Ti)", quantity).groups()
+    return float(number) * {"Gi": 1, "Ti": 1024}[unit]
+
+
+def node_needs(config: str, workers_per_node: int) -> tuple[float, float]:
+    """(host memory, /dev/shm) of one node, in GiB, from the config's header (raysft plan's figures, checked by
+    tests/test_config_headers.py): the memory tier's total and its /dev/shm part, each worker's async save staging,
+    the worker processes."""
+    from test_config_headers import plan_block, quoted_figures
+
+    figures = quoted_figures(plan_block(CONFIGS / config)[1])
+    host = float(figures["tier total"]) + workers_per_node * (float(figures["saving rank's host"]) + WORKER_PROCESS_GIB)
+    return host, float(figures["tier in /dev/shm"])
+
+
+@pytest.mark.parametrize("kind", ["RayJob", "RayCluster"])
+def test_kuberay_gpu_pods_have_the_host_memory_and_dev_shm_the_memory_tier_needs(kind):
+    """The memory tier keeps its snapshots in /dev/shm: a pod's default is 64 MiB, so the GPU pods mount an emptyDir
+    of medium Memory there, whose pages count against the container's memory limit. Both must hold what the
+    configs the pods run need on a node, as their headers give it."""
+    doc = the(kind)
+    cluster = doc["spec"]["rayClusterSpec"] if kind == "RayJob" else doc["spec"]
+    (group,) = cluster["workerGroupSpecs"]
+    pod = group["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert "/dev/shm" in mounts, f"{kind}: no volume at /dev/shm: the memory tier would have 64 MiB"
+    (shm,) = [v for v in pod["volumes"] if v["name"] == mounts["/dev/shm"]]
+    assert shm["emptyDir"].get("medium") == "Memory", f"{kind}: /dev/shm is not memory-backed"
+    limit = gib(container["resources"]["limits"]["memory"])
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    for config in RUNS_ON[kind]:
+        host, in_shm = node_needs(config, gpus)
+        assert host <= limit, f"{kind}: {config} needs {host:.0f} GiB of host memory per pod, the limit is {limit:.0f}"
+        assert in_shm <= gib(shm["emptyDir"]["sizeLimit"]), \
+            f"{kind}: {config} keeps {in_shm:.0f} GiB in /dev/shm, more than its sizeLimit"
