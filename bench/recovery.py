@@ -18,6 +18,9 @@ fault tests' shortened timings (tests/test_faults_cluster.py), and --faults pick
   node     the last node removed (its raylet and workers killed), a replacement added at once
   elastic  the last node removed for good, scaling.min_workers = workers - workers / N: the run goes on without it;
            then (--return-after K steps later) a node added back: Ray grows the group to every worker again
+With --spoil (the worker fault, the tier on) the resume after the kill also finds rank 0's part of the newest step
+spoiled: a bit flipped in one copy (flip) or both (both), or its copies gone, the last as it is sent (fetch)
+(recovery_cluster.spoil_at_resume): the tier sets the copy aside and reads the other, or the step before.
 With --netns (and --nodes 2) the nodes are network namespaces instead (cluster/netns.sh: an IP and a Ray node
 each, the test's node-death settings), the driver runs in the head's, and the faults hit node 1: its
 RayTrainWorker SIGKILLed (worker), every process in it SIGKILLed and a replacement joined once Ray declared it dead
@@ -56,6 +59,8 @@ from pathlib import Path
 from common import Setup, add_model_args, save_results, write_rank_result
 from recovery_cluster import (
     SNAPSHOT_TIMES_ENV,
+    SPOIL_ENV,
+    SPOILS,
     STAGES_ENV,
     Cluster,
     NamespaceNodes,
@@ -123,29 +128,33 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
             results.append({"variant": f"{label} {fault}", "sharding": sharding, "fault": fault, "refused": str(e)})
             print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
             continue
-        for tier in args.tier.split(","):
-            for repeat in range(args.repeats):
-                cfg = setup.config(*base, *extra, *(tier_sets if tier == "on" else []),
-                                   f"run.name={label}-{fault}-tier-{tier}-{repeat}")
-                shutil.rmtree(stages, ignore_errors=True)
-                stages.mkdir(parents=True)
-                fault_time, return_time = train(cluster, cfg, fault, at_step,
-                                                return_after=args.return_after if fault == "elastic" else 0)
-                rows = [(fault, recovery_row(cfg, fault_time, stages))]
-                if return_time is not None:
-                    rows.append(("return", recovery_row(cfg, return_time, stages)))
-                if fault == "elastic":  # held to the run stopped at each change of width and relaunched
-                    widths = tuple((row["resumed_from"], row["world_size_after"]) for _, row in rows)
-                    if widths not in widths_runs:
-                        widths_runs[widths] = widths_reference(cluster, setup, base + extra, label, widths)
-                    expected = widths_runs[widths]
-                else:
-                    expected = reference
-                exact = same_run(cfg, expected)
-                for name, row in rows:
-                    results.append({"variant": f"{label} {name} tier {tier}", "sharding": sharding, "fault": name,
-                                    "tier_on": tier == "on", **row, "bit_exact": exact})
-                    print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+        spoils = [""] + [s for s in args.spoil.split(",") if s] if fault == "worker" else [""]
+        # each spoil on the tier's resume after a killed worker (recovery_cluster.spoil_at_resume)
+        for tier, spoil, repeat in ((t, s, r) for t in args.tier.split(",") for s in spoils if t == "on" or not s
+                                    for r in range(args.repeats)):
+            name = f"{fault}+{spoil}" if spoil else fault
+            cfg = setup.config(*base, *extra, *(tier_sets if tier == "on" else []),
+                               f"run.name={label}-{name}-tier-{tier}-{repeat}")
+            shutil.rmtree(stages, ignore_errors=True)
+            stages.mkdir(parents=True)
+            Path(os.environ[SPOIL_ENV]).write_text(spoil)
+            fault_time, return_time = train(cluster, cfg, fault, at_step,
+                                            return_after=args.return_after if fault == "elastic" else 0)
+            rows = [(name, recovery_row(cfg, fault_time, stages))]
+            if return_time is not None:
+                rows.append(("return", recovery_row(cfg, return_time, stages)))
+            if fault == "elastic":  # held to the run stopped at each change of width and relaunched
+                widths = tuple((row["resumed_from"], row["world_size_after"]) for _, row in rows)
+                if widths not in widths_runs:
+                    widths_runs[widths] = widths_reference(cluster, setup, base + extra, label, widths)
+                expected = widths_runs[widths]
+            else:
+                expected = reference
+            exact = same_run(cfg, expected)
+            for name, row in rows:
+                results.append({"variant": f"{label} {name} tier {tier}", "sharding": sharding, "fault": name,
+                                "tier_on": tier == "on", **row, "bit_exact": exact})
+                print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
     return results
 
 
@@ -268,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
                         "comma-separated, run one after another")
     parser.add_argument("--fault-at", type=int, default=0, help="with --nodes: the step the fault follows "
                         "(default: --every + 2)")
+    parser.add_argument("--spoil", default="", help="with --faults worker and --tier on: also the killed worker's "
+                        f"resume with the newest snapshot spoiled, by each of {', '.join(SPOILS)} "
+                        "(recovery_cluster.spoil_at_resume), comma-separated")
     parser.add_argument("--memory-every", type=int, default=1, help="checkpoint.memory_every_n_steps when on")
     parser.add_argument("--return-after", type=int, default=3, help="the elastic fault: a node added back once the "
                         "run has trained this many steps on the workers left (0: it never returns)")
@@ -285,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ[SNAPSHOT_TIMES_ENV] = str(setup.work / "snapshot-times")
     (setup.work / "snapshot-times").mkdir(parents=True, exist_ok=True)  # the fault runs' workers write there too
     os.environ[STAGES_ENV] = str(setup.work / "stages")
+    (setup.work / "stages").mkdir(parents=True, exist_ok=True)  # the uninterrupted runs' workers write there too
+    os.environ[SPOIL_ENV] = str(setup.work / "spoil.txt")
     cluster = NamespaceNodes(args, netns_cluster_of(os.environ["RAYSFT_BENCH_NETNS"])) if args.driver \
         else Cluster(args)
     memory_dir = Path(tempfile.mkdtemp(prefix="raysft-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))

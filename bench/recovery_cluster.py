@@ -22,6 +22,8 @@ RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_PREEMPTI
 NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 2}
 SNAPSHOT_TIMES_ENV = "RAYSFT_BENCH_SNAPSHOT_TIMES"  # a directory: each worker's snapshot calls' durations
 STAGES_ENV = "RAYSFT_BENCH_STAGES"  # a directory: each train worker's start, stage by stage
+SPOIL_ENV = "RAYSFT_BENCH_SPOIL"  # a file: what the next resume finds spoiled in node memory (`spoil_at_resume`)
+SPOILS = ("flip", "both", "fetch")
 
 
 def worker_setup() -> None:
@@ -36,6 +38,8 @@ def worker_setup() -> None:
     coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S = 1
     if os.environ.get(STAGES_ENV):
         stage_times(Path(os.environ[STAGES_ENV]))
+    if os.environ.get(SPOIL_ENV):
+        spoil_at_resume(Path(os.environ[SPOIL_ENV]))
     where = os.environ.get(SNAPSHOT_TIMES_ENV)
     if not where:
         return
@@ -94,12 +98,61 @@ def stage_times(where: Path) -> None:
     trainer_module.build_optimizer = build_optimizer
 
 
+def spoil_at_resume(order: Path) -> None:
+    """In a Ray worker: when `order` names a spoil, the next resume from the memory tier finds rank 0's part of the
+    newest step spoiled as a node's faults would leave it, before any rank lists it (the order is then used up):
+      flip   one bit of its copy on rank 0's node flipped (the checksum catches it; the other copy is sent)
+      both   one bit flipped in every copy (no sound copy of the step: the step before is resumed)
+      fetch  its copy on rank 0's node gone, and the other node's copy gone as it is sent (the step before)"""
+    import torch.distributed as dist
+
+    from raysft.checkpoint.memory import MemoryTier, transport
+
+    real_find, real_map = MemoryTier.find, transport.map_file
+    failing: list[str] = []  # the newest step's folder, while a fetch from it is to fail once
+
+    def map_file(path):
+        if failing and failing[0] in str(path):
+            failing.clear()
+            raise FileNotFoundError(2, "gone as it was sent (bench/recovery.py --spoil fetch)", str(path))
+        return real_map(path)
+
+    def find(self, stored):
+        kind = order.read_text().strip() if order.is_file() else ""
+        steps = sorted(self.dir.glob("step_*"))
+        if kind and steps:
+            own = steps[-1] / "rank_0.safetensors"
+            if self.rank == 0 and kind in ("flip", "both"):
+                for copy in self.dir.parent.glob(f"*/{steps[-1].name}/rank_0.safetensors") if kind == "both" \
+                        else [own]:
+                    flip_a_bit(copy)
+            if self.rank == 0 and kind == "fetch":
+                own.unlink()
+            failing[:] = [steps[-1].name] if kind == "fetch" else []
+        dist.barrier(group=self.control)  # spoiled before any rank lists what its node holds
+        try:
+            return real_find(self, stored)
+        finally:
+            failing.clear()
+            if kind and steps and self.rank == 0:
+                order.unlink(missing_ok=True)
+
+    MemoryTier.find, transport.map_file = find, map_file
+
+
+def flip_a_bit(part: Path, offset_in_data: int = 1000) -> None:
+    """One bit of a part's tensor data flipped in place, its header left as it was."""
+    raw = bytearray(part.read_bytes())
+    raw[8 + int.from_bytes(raw[:8], "little") + offset_in_data] ^= 0x10
+    part.write_bytes(bytes(raw))
+
+
 def worker_env() -> dict:
     """The train workers' environment: the bench's modules and this checkout on the path, the fault tests' Ray
     Train timings, the snapshot timing's directory."""
     here = Path(__file__).resolve().parent
     return {"PYTHONPATH": os.pathsep.join([str(here), str(here.parent)]), **RAY_TRAIN_ENV,
-            **{k: os.environ[k] for k in (SNAPSHOT_TIMES_ENV, STAGES_ENV) if k in os.environ}}
+            **{k: os.environ[k] for k in (SNAPSHOT_TIMES_ENV, STAGES_ENV, SPOIL_ENV) if k in os.environ}}
 
 
 class Cluster:

@@ -24,9 +24,12 @@ def recovery_row(cfg, fault_time: float, stages_dir: Path | None = None) -> dict
     before = [m for m in records[:resume] if "loss" in m][-1]["step"]
     after = next(m for m in records[resume:] if "loss" in m)
     not_used = [m["reason"] for m in records if m.get("event") == "memory_tier_not_used"]
+    set_aside = [m["reason"] for m in records[:resume] if m.get("event") == "memory_snapshot_set_aside" and
+                 m["time"] >= fault_time]
     return {"recovery_s": round(after["time"] - fault_time, 1), "resumed_from": records[resume]["step"],
             "steps_lost": before - records[resume]["step"], "tier": records[resume].get("tier", "stored"),
             "world_size_after": records[resume]["world_size"], "memory_tier_not_used": not_used,
+            "set_aside": set_aside,
             **({"stages_s": stage_row(stages_dir, fault_time, records[resume]["time"])} if stages_dir else {})}
 
 
@@ -74,6 +77,7 @@ def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> 
                          f"refused by the config ({r['refused']}) | | | |")
         elif "fault" in r:
             refused = f"; refused: {r['memory_tier_not_used'][0]}" if r["memory_tier_not_used"] else ""
+            refused += "".join(f"; set aside: {reason}" for reason in r.get("set_aside", []))
             lines.append(f"| {r['sharding']} | {r['fault']} | {'on' if r['tier_on'] else 'off'} | "
                          f"{r['resumed_from']} ({r['tier']}"
                          f"{refused}) | {r['steps_lost']} | {r['recovery_s']} | {'yes' if r['bit_exact'] else 'NO'} |")

@@ -19,7 +19,7 @@ hangs costs only its own minutes and the next one still runs:
     ray_*         Ray Train: throughput against torchrun, a killed worker restarted bit-exact, SIGTERM to the
                   driver, LoRA (ray_legs.py)
 
-    python3 bench/gpu/check.py --out "$OUT"              # on the GPU machine (docs/dev/DEVICE-CALLS.md: the device call)
+    python3 bench/gpu/check.py --out "$OUT"              # on the GPU machine (docs/dev/DEVICE-CALLS.md)
     .venv/bin/python bench/gpu/check.py --smoke --out D  # the same steps on CPU at toy size (tests/test_gpu_check.py)
 
 The GPU machine has no Ray, torchtitan or torchao: a first step, `bundle`, installs them from the carried bundle

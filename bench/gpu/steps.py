@@ -41,8 +41,8 @@ from raysft.launch.torchrun import (  # noqa: E402
 from raysft.model.build import build_meta_model, materialize  # noqa: E402
 from raysft.training.metrics import read_metrics  # noqa: E402
 
-# The recipes of docs/BENCHMARKS.md ("The fast recipe, command by command") (bench/throughput.py's settings), most telling first: the fast
-# recipe with its token budget tuned here, the step as it was before issue 17 (padded, full fp32 logits), LoRA on
+# The recipes of docs/BENCHMARKS.md ("The fast recipe, command by command"; bench/throughput.py's settings), most
+# telling first: the fast recipe with its token budget tuned here, the padded step (full fp32 logits), LoRA on
 # the fast recipe, then the others.
 # The compiled recipe comes last: its compile time is the least predictable, and a step cut at its time limit keeps
 # what it measured before.
