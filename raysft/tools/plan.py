@@ -74,7 +74,8 @@ class ModelShape:
 def model_shape(cfg: TrainConfig, hf_config: PretrainedConfig) -> ModelShape:
     with torch.device("meta"):
         model = add_adapters(build_meta_model(hf_config, cfg.model.attn_implementation), cfg.model.lora)
-    layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
+    classes = decoder_layer_classes(model)  # once: it walks every module
+    layers = [m for m in model.modules() if isinstance(m, classes)]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     params = list(model.parameters())
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
