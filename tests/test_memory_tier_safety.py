@@ -175,6 +175,7 @@ def test_a_memory_dir_or_link_another_user_owns_is_refused(tmp_path):
 
 
 @as_root
+@pytest.mark.slow  # continues the faulted run (a session fixture that trains): make test-fast leaves it out
 def test_a_planted_memory_dir_with_a_newer_snapshot_is_never_used_nor_written(tmp_path, gloo_pool, uninterrupted,
                                                                               faulted):
     """Whoever made the memory_dir first owns it: here another user (nobody) holds it, with a snapshot of step 8
@@ -264,6 +265,7 @@ def test_a_tmpfs_short_of_room_skips_snapshots_by_name_and_is_never_filled_for_w
 
 # --- what a part holds is checked, every part --------------------------------------------------------------------
 
+@pytest.mark.slow  # continues the faulted run (a session fixture that trains): make test-fast leaves it out
 def test_a_snapshot_with_an_unsound_trainer_state_or_nan_is_never_resumed_from(tmp_path, gloo_pool, uninterrupted,
                                                                               faulted):
     """Step 8's part of rank 0 (both copies) with a step guard state a stored checkpoint would be refused for:
@@ -364,6 +366,7 @@ def test_a_part_that_cannot_be_sent_at_the_resume_sets_its_step_aside_and_never_
     assert_same_run(cfg, uninterrupted, tmp_path / "hf")
 
 
+@pytest.mark.slow  # continues the faulted run (a session fixture that trains): make test-fast leaves it out
 def test_a_header_whose_layout_is_ill_typed_or_out_of_range_is_no_part(faulted):
     """Discovery computes with the layout's sizes: each must be an integer of at least 1 (a bool is none), the
     sharding a name, before any of it is used; such a file is ignored, named, like any header that fails."""
@@ -425,6 +428,7 @@ def test_a_file_every_rank_of_its_node_lists_is_one_part_so_one_set_aside_is_nev
         (0, 0, "/shm/a/rank_0"), (0, 2, "/shm/a/rank_0"), (1, 0, "/shm/a/rank_1"), (2, 2, "/shm/b/rank_2")]
 
 
+@pytest.mark.slow  # continues the faulted run (a session fixture that trains): make test-fast leaves it out
 def test_parts_of_two_launch_attempts_are_never_combined_into_one_step(tmp_path, gloo_pool, uninterrupted, faulted):
     """Rank 1's part of step 8 is left only by another launch attempt (a node left out of one attempt keeps its
     files): step 8 is not whole in any one attempt, and the run resumes from step 7, whole in the attempt that
@@ -477,6 +481,7 @@ def test_a_run_whose_snapshots_are_rare_still_shows_it_is_alive_on_its_node(tmp_
     assert end["snapshots"] == 0
 
 
+@pytest.mark.slow  # continues the faulted run (a session fixture that trains): make test-fast leaves it out
 def test_a_launch_removes_the_folders_of_nodes_it_does_not_span_and_nothing_raysft_did_not_make(
         tmp_path, gloo_pool, faulted):
     """The run's folders on this host of a node this launch does not span (its Ray node started again under a new
@@ -493,6 +498,7 @@ def test_a_launch_removes_the_folders_of_nodes_it_does_not_span_and_nothing_rays
     assert sorted(p.name for p in run.iterdir()) == [LIVE_FILE, "notes"]  # the run's own nodes: gone at its end
 
 
+@pytest.mark.slow  # continues the faulted run (a session fixture that trains): make test-fast leaves it out
 def test_the_next_launch_reclaims_runs_no_process_holds_and_never_a_live_or_recent_one(tmp_path, gloo_pool, faulted):
     """In one memory_dir: the faulted run (its processes killed: a job SIGKILLed as a whole leaves just this), a run
     a live process holds, one that wrote a moment ago (Ray may be restarting its workers), and a directory raysft
