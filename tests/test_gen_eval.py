@@ -475,3 +475,36 @@ def test_a_bad_eval_set_stops_raysft_train_before_anything_is_written(tmp_path):
     assert out.returncode == 1, out.stderr
     assert f"DataError: {bad}: line 2: the prompt ends on an assistant turn" in out.stderr
     assert not (tmp_path / "runs").exists()  # no store tokenized, no run claimed
+
+
+def test_an_in_process_evaluation_leaves_the_training_rng_and_memory_as_it_found_them(lora_run, tmp_path,
+                                                                                       monkeypatch):
+    """torchrun's rank 0 evaluates in the training process: a sampled evaluation of a sharded LoRA checkpoint
+    (exported, merged and loaded for it) draws nothing from the training's random stream, and its model is gone
+    once the evaluation returns."""
+    import shutil
+    import weakref
+
+    import raysft.evals.runner
+    from raysft.evals.validation import EvaluatingSink
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run.run_dir / "checkpoint_00000004", run / "checkpoint_00000004")
+    cfg = tiny_config(tmp_path, **{"eval.path": lora_run.eval.path, "eval.temperature": 1.0, "eval.seed": 5,
+                                   "run.storage_path": str(tmp_path), "run.name": "run", **EVAL_SETS})
+    models, opened = [], raysft.evals.runner.open_engine
+
+    def open_engine(*args):
+        engine = opened(*args)
+        models.append(weakref.ref(engine.chat.model))
+        return engine
+
+    monkeypatch.setattr(raysft.evals.runner, "open_engine", open_engine)
+    sink = EvaluatingSink(SimpleNamespace(shared=True), cfg, rank=0)
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    sink._evaluate(4)
+    assert read_result(run / "checkpoint_00000004")["key"]["temperature"] == 1.0  # evaluated now, sampled
+    assert torch.equal(torch.random.get_rng_state(), before), "the evaluation drew from the training's RNG"
+    assert len(models) == 1 and models[0]() is None, "the evaluated model outlived its evaluation"
+

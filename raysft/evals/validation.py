@@ -114,8 +114,12 @@ class EvaluatingSink:
         ckpts = [c for c in checkpoint_dirs(self.cfg.run_dir) if step_of(c) == step]
         if not ckpts:
             return  # pruned at once (keep: the checkpoint is not the newest): nothing to evaluate
+        # loading the model (a LoRA checkpoint's export and merge) and sampling draw random numbers: on a stream of
+        # their own, so that the training's (dropout; a resumed run's, restored from the checkpoint) is as it was
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         try:  # the record (result or failure) is logged by the trainer's GenEvalLog
-            evaluate_checkpoint(ckpts[-1], self.cfg.eval, self.cfg.data.system_prompt, self.engine)
+            with torch.random.fork_rng(devices=devices):
+                evaluate_checkpoint(ckpts[-1], self.cfg.eval, self.cfg.data.system_prompt, self.engine)
         except Exception as e:  # noqa: BLE001 - an evaluation never ends training
             sys.stderr.write(f"raysft: generation evaluation of {ckpts[-1]} failed: {type(e).__name__}: {e}\n")
         finally:
