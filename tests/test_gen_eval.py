@@ -508,3 +508,50 @@ def test_an_in_process_evaluation_leaves_the_training_rng_and_memory_as_it_found
     assert torch.equal(torch.random.get_rng_state(), before), "the evaluation drew from the training's RNG"
     assert len(models) == 1 and models[0]() is None, "the evaluated model outlived its evaluation"
 
+
+def test_a_run_attempts_a_checkpoints_evaluation_at_most_max_attempts_times_across_its_launches(tmp_path,
+                                                                                                 monkeypatch):
+    """Ray requeues, at each launch, the validation of a checkpoint that the run stopped in: a crash that repeats
+    would be met at every launch. Ray's validation function starts one checkpoint's evaluation (of one key) at most
+    MAX_ATTEMPTS times; an attempt that ended unrecorded (its process died with its launch) counts too; the give-up
+    is recorded once (one gen_eval_failed event, outcome gave_up) and nothing is generated for it; another eval set
+    or setting is another evaluation, counted afresh."""
+    from dataclasses import asdict
+
+    from pyarrow.fs import LocalFileSystem
+
+    import raysft.evals.runner as runner
+    from raysft.evals.validation import validate_checkpoint
+
+    run = tmp_path / "run"
+    ckpt = fake_checkpoint(run, 4)
+    monkeypatch.setattr(runner, "read_trainer_state", lambda _: {"step": 4})
+    outcomes = [RuntimeError("CUDA error: an illegal memory access"), KeyboardInterrupt(),
+                RuntimeError("CUDA error: out of memory"), RuntimeError("another key's own failure")]
+
+    def evaluate(*args, **kwargs):
+        raise outcomes.pop(0)
+
+    monkeypatch.setattr(runner, "evaluate", evaluate)
+    log = GenEvalLog(run, MetricsLogger(run, 8, 1))
+    settings = asdict(GenEvalConfig(path="builtin:demo-eval"))
+
+    def validate(raises, match: str | None = None, **sets) -> None:
+        with pytest.raises(raises, match=match):
+            validate_checkpoint(SimpleNamespace(filesystem=LocalFileSystem(), path=str(ckpt)), {**settings, **sets})
+        log.poll(now=True)
+
+    validate(RuntimeError, "illegal memory access")
+    validate(KeyboardInterrupt)  # its process ended with its launch: no record
+    validate(RuntimeError, "out of memory")
+    assert len(outcomes) == 1 and runner.MAX_ATTEMPTS == 3
+    validate(runner.EvaluationGaveUp, "not evaluated again: 3 attempts started across the run's launches .*the "
+                                      "last: RuntimeError: CUDA error: out of memory")
+    gave_up = read_failure(ckpt)
+    validate(runner.EvaluationGaveUp, "not evaluated again")  # a later launch's request: nothing new
+    assert read_failure(ckpt) == gave_up and len(outcomes) == 1
+    events = [m for m in read_metrics(run) if m.get("event") == "gen_eval_failed"]
+    assert [e["outcome"] for e in events] == ["failed", "failed", "gave_up"], events
+    validate(RuntimeError, "another key's own failure", max_new_tokens=7)  # attempted: its first
+    assert not outcomes
+

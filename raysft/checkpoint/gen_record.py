@@ -7,6 +7,7 @@ torchrun launch in-process, or `raysft eval`):
                  when it started and finished, and the per-sample table's file name
   samples.jsonl  one line per sample: its prompt, the generation, the expected answer and each scorer's score
   failed.json    instead of result.json, when the evaluation failed or ran out of time: why, and when
+  attempts.json  how many times a run's validation started the evaluation of this key (bounded across launches)
 
 The directory is not part of the checkpoint's manifest (the manifest lists what the save wrote), so adding it never
 makes a checkpoint incomplete, and a checkpoint that is pruned takes its table with it. A copy of the record (the
@@ -32,6 +33,7 @@ RESULT_FILE = "result.json"
 FAILED_FILE = "failed.json"
 SAMPLES_FILE = "samples.jsonl"
 RUN_RECORDS = "gen_evals"  # <run>/gen_evals/<checkpoint>.json: the run's records, kept when checkpoints are pruned
+ATTEMPTS_FILE = "attempts.json"
 RECORD_FORMAT = 1
 GEN_PREFIX = "gen/"  # the metrics of a generation evaluation: gen/<scorer>
 
@@ -75,6 +77,20 @@ def write_failure(ckpt: str | Path | Location, record: dict) -> None:
     text = json.dumps({"format": RECORD_FORMAT, **record}, indent=1)
     (eval_dir(ckpt) / FAILED_FILE).write_text(text)
     _run_copy(ckpt, text)
+
+
+def count_attempt(ckpt: str | Path | Location, key: dict) -> int:
+    """Note one more attempt at the checkpoint's evaluation of `key`, before it runs (so that an attempt whose
+    process died with it, unrecorded, counts too): this attempt's number, from 1; another key counts from 1."""
+    where = eval_dir(ckpt) / ATTEMPTS_FILE
+    try:
+        noted = json.loads(where.read_text())
+    except (OSError, ValueError):
+        noted = None
+    same = isinstance(noted, dict) and noted.get("key") == key and isinstance(noted.get("attempts"), int)
+    attempt = noted["attempts"] + 1 if same else 1
+    where.write_text(json.dumps({"format": RECORD_FORMAT, "key": key, "attempts": attempt}))
+    return attempt
 
 
 def _run_copy(ckpt: str | Path | Location, text: str) -> None:

@@ -8,7 +8,9 @@ evaluate it.
 `evaluate_checkpoint` keeps its record beside the checkpoint (raysft.checkpoint.gen_record) and does nothing when a
 record of the same evaluation (its key: the eval set's content and every setting) is already there: a relaunch, or
 Ray requeueing the validation of a checkpoint whose evaluation had finished, redoes nothing. A failure or a timeout
-is recorded too (failed.json), then raised.
+is recorded too (failed.json), then raised. A run's validation evaluates a checkpoint at most MAX_ATTEMPTS times
+for one key, across its launches (Ray requeues a validation the run stopped in; a crash that repeats would otherwise
+be met at every launch): the next request records that it gives up, once, and raises without generating.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from raysft.checkpoint.gen_record import (
     RECORD_FORMAT,
     RESULT_FILE,
     SAMPLES_FILE,
+    count_attempt,
     eval_dir,
+    read_failure,
     read_result,
     run_records,
     write_failure,
@@ -46,6 +50,16 @@ from raysft.products.export import export
 from raysft.storage import Location, location
 
 VLLM_EXPORT = "vllm_model"  # in a checkpoint's eval/: its export for vLLM while it is evaluated
+MAX_ATTEMPTS = 3  # a run's validation of one checkpoint (one key), across launches: docs/EVAL.md
+
+
+class EvaluationGaveUp(RuntimeError):
+    """The checkpoint's evaluation was attempted max_attempts times already; `recorded`: the give-up is on record
+    from an earlier request (no new record, no new event)."""
+
+    def __init__(self, message: str, recorded: bool = False):
+        super().__init__(message)
+        self.recorded = recorded
 
 
 def evaluation_key(settings: GenEvalConfig, system_prompt: str, engine: str) -> dict:
@@ -129,9 +143,11 @@ def write_table(out_dir: str | Path | Location, rows: list[dict]) -> Location:
 
 
 def evaluate_checkpoint(ckpt: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",
-                        engine: str | None = None, timeout_s: float | None = None) -> tuple[dict, bool]:
+                        engine: str | None = None, timeout_s: float | None = None,
+                        max_attempts: int | None = None) -> tuple[dict, bool]:
     """The checkpoint's evaluation record and whether it was made now (False: an equal one was recorded before).
-    A failure or timeout is recorded in eval/failed.json, naming what happened, then raised."""
+    A failure or timeout is recorded in eval/failed.json, naming what happened, then raised. With `max_attempts`
+    (a run's validation), EvaluationGaveUp instead of a further attempt once that many started."""
     engine = engine or resolve_engine(settings)
     deadline = time.monotonic() + (timeout_s if timeout_s is not None else settings.timeout_s)
     try:  # reading the eval set (for its key) and the checkpoint's state fail as the evaluation does: recorded
@@ -140,19 +156,36 @@ def evaluate_checkpoint(ckpt: str | Path | Location, settings: GenEvalConfig, sy
         if recorded is not None and recorded["key"] == key:
             return recorded, False
         step = read_trainer_state(ckpt)["step"]
+        if max_attempts is not None:
+            check_attempts(ckpt, key, max_attempts)
         record, rows = evaluate(ckpt, settings, system_prompt, engine, deadline)
         if not is_checkpoint(ckpt):  # pruned meanwhile: no directory is made up for it
             raise FileNotFoundError(f"{ckpt}: the checkpoint went away while it was evaluated")
         write_table(eval_dir(ckpt), rows)
     except Exception as e:
-        if not is_checkpoint(ckpt):
+        if not is_checkpoint(ckpt) or isinstance(e, EvaluationGaveUp) and e.recorded:
             raise
-        record_failure(ckpt, settings, system_prompt, engine, f"{type(e).__name__}: {e}",
-                       "timed_out" if isinstance(e, EvalTimeout) else "failed")
+        kind = "timed_out" if isinstance(e, EvalTimeout) else "gave_up" if isinstance(e, EvaluationGaveUp) else "failed"
+        record_failure(ckpt, settings, system_prompt, engine, f"{type(e).__name__}: {e}", kind)
         raise
     record = {**record, "step": step, "checkpoint": location(ckpt).name}
     write_result(ckpt, record)
     return record, True
+
+
+def check_attempts(ckpt: str | Path | Location, key: dict, max_attempts: int) -> None:
+    """Count this attempt at the checkpoint's evaluation of `key`; EvaluationGaveUp past `max_attempts`, naming the
+    last failure on record (none: each attempt's process ended with its launch, or was killed)."""
+    attempt = count_attempt(ckpt, key)
+    if attempt <= max_attempts:
+        return
+    last = read_failure(ckpt)
+    if last is not None and last["kind"] == "gave_up":
+        raise EvaluationGaveUp(last["reason"], recorded=True)
+    why = (f"the last: {last['reason']}" if last is not None else
+           "none recorded a failure: each ended with its launch, or its process was killed")
+    raise EvaluationGaveUp(f"not evaluated again: {max_attempts} attempts started across the run's launches "
+                           f"(at most {max_attempts}); {why}")
 
 
 def record_failure(ckpt: str | Path | Location, settings: GenEvalConfig, system_prompt: str, engine: str,

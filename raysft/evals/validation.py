@@ -31,7 +31,7 @@ from raysft.checkpoint import Sink, checkpoint_dirs
 from raysft.checkpoint.discovery import step_of
 from raysft.config import GenEvalConfig, TrainConfig
 from raysft.evals.engines import resolve_engine
-from raysft.evals.runner import evaluate_checkpoint
+from raysft.evals.runner import MAX_ATTEMPTS, evaluate_checkpoint
 from raysft.storage import Location, native
 
 
@@ -54,11 +54,13 @@ def task_resources(cfg: TrainConfig) -> dict:
 
 
 def validate_checkpoint(checkpoint, settings: dict, system_prompt: str = "", engine: str = "hf") -> dict:
-    """Ray Train's ValidationFn: {gen/<scorer>: score} of `checkpoint` (a ray.train.Checkpoint). Ray may run the
-    next task in the same worker process: what the model held goes back before this one returns."""
+    """Ray Train's ValidationFn: {gen/<scorer>: score} of `checkpoint` (a ray.train.Checkpoint), at most
+    MAX_ATTEMPTS attempts at it across the run's launches. Ray may run the next task in the same worker process:
+    what the model held goes back before this one returns."""
     ckpt = native(Location(checkpoint.filesystem, checkpoint.path))
     try:
-        record, _ = evaluate_checkpoint(ckpt, GenEvalConfig(**settings), system_prompt, engine)
+        record, _ = evaluate_checkpoint(ckpt, GenEvalConfig(**settings), system_prompt, engine,
+                                        max_attempts=MAX_ATTEMPTS)
     finally:
         release_memory()
     return dict(record["metrics"])
