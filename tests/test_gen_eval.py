@@ -555,3 +555,103 @@ def test_a_run_attempts_a_checkpoints_evaluation_at_most_max_attempts_times_acro
     validate(RuntimeError, "another key's own failure", max_new_tokens=7)  # attempted: its first
     assert not outcomes
 
+
+@pytest.fixture(scope="module")
+def llama3_model(tmp_path_factory) -> Path:
+    """A tiny random model with Llama 3.1's tokenizer setup: a BOS that its chat template writes, tools rendered
+    into the prompt, <|eot_id|> ending a turn."""
+    from test_labels import model_tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import LlamaForCausalLM
+
+    from raysft.model.build import preset_config
+
+    tok = model_tokenizer("meta-llama-Llama-3.1-8B-Instruct")
+    bos = tok.bos_token  # tokenizing text adds it, as Llama 3's tokenizer does (where a rendered template has one)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                              special_tokens=[(bos, tok.bos_token_id)])
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("llama3") / "model"
+    LlamaForCausalLM(preset_config("demo-tiny", tok)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_both_engines_ask_the_model_with_the_tokens_training_put_before_the_answer(llama3_model, monkeypatch):
+    """What the model is asked is what it learned to answer: each row the hf engine feeds generate (without its
+    left padding) and each prompt the vLLM engine hands Ray Data's processor is the token sequence that training put
+    before the assistant's answer of the same conversation: one BOS, the tools, a system prompt and earlier turns.
+    Ray's processor passes the row on unchanged (built with Ray's API: tests/test_train_ray.py)."""
+    import ray.data
+
+    from raysft.data.conversation import Conversation
+    from raysft.data.labels import IGNORE_INDEX, label_conversation
+    from raysft.evals.engines import VllmEngine, tokenizer_and_stops
+    from raysft.evals.evalset import EvalSample
+
+    tool = {"type": "function", "function": {"name": "add_numbers", "description": "Add two numbers.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    samples = [EvalSample(where="line 1", messages=[{"role": "user", "content": "What is 2 plus 3?"}], expected="5",
+                          tools=[tool]),
+               EvalSample(where="line 2", messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Capital of Peru?"},
+                                                    {"role": "assistant", "content": "Lima."},
+                                                    {"role": "user", "content": "And of Chile?"}], expected="Santiago")]
+    settings = GenEvalConfig(path="x", max_new_tokens=2, batch_size=2)
+    engine = HfEngine(llama3_model, settings)
+    hf_fed, generate = [], engine.chat.model.generate
+
+    def seen(input_ids, attention_mask, **options):
+        hf_fed.extend(row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask, strict=True))
+        return generate(input_ids=input_ids, attention_mask=attention_mask, **options)
+
+    monkeypatch.setattr(engine.chat.model, "generate", seen)
+    engine.generate(samples)
+    assert len(hf_fed) == 2 and len(hf_fed[0]) != len(hf_fed[1])  # one batch, a row padded
+
+    vllm = object.__new__(VllmEngine)  # its processor needs vLLM to run: the rows it is handed are recorded
+    vllm.settings, (vllm.tokenizer, vllm.stop_ids) = settings, tokenizer_and_stops(llama3_model)
+    vllm_fed = []
+    vllm.processor = lambda rows: SimpleNamespace(take_all=lambda: [
+        vllm_fed.append(r["ids"]) or {"index": r["index"], "tokens": vllm.stop_ids[:1]} for r in rows])
+    monkeypatch.setattr(ray.data, "from_items", lambda rows: rows)
+    vllm.generate(samples)
+
+    tokenizer = engine.chat.tokenizer
+    for sample in samples:
+        answered = Conversation([*sample.messages, {"role": "assistant", "content": sample.expected}], sample.tools)
+        trained = label_conversation(tokenizer, answered, 1024, train_on="last_assistant")
+        before = trained.input_ids[:next(i for i, label in enumerate(trained.labels) if label != IGNORE_INDEX)]
+        assert before in hf_fed, ("hf", sample.where, tokenizer.decode(before), [tokenizer.decode(f) for f in hf_fed])
+        assert before in vllm_fed, ("vllm", sample.where, tokenizer.decode(before))
+        assert before.count(tokenizer.bos_token_id) == 1
+    assert "add_numbers" in tokenizer.decode(vllm_fed[0])  # the tools are in the prompt
+
+
+def test_what_an_evaluation_reads_before_it_generates_fails_as_the_rest_does_recorded(tmp_path):
+    """The checkpoint's trainer state and the eval set are read before anything is generated: a failure there is
+    recorded as any other (failed.json, one gen_eval_failed event), an eval set missing where the evaluation runs
+    naming its path and the node."""
+    import socket
+
+    from raysft.checkpoint import CheckpointError
+    from raysft.evals.runner import evaluate_checkpoint
+
+    run = tmp_path / "run"
+    ckpt = fake_checkpoint(run, 4)  # its trainer state lacks what this raysft writes
+    eval_set = Path(write_lines(tmp_path / "eval.jsonl", {"prompt": "What is 2 plus 3?", "answer": "5"}))
+    log = GenEvalLog(run, MetricsLogger(run, 8, 1))
+    with pytest.raises(CheckpointError):
+        evaluate_checkpoint(ckpt, GenEvalConfig(path=str(eval_set)))
+    assert read_failure(ckpt)["reason"].startswith(f"CheckpointError: {ckpt / STATE_FILE}"), read_failure(ckpt)
+    assert log.poll(now=True) == 1
+    eval_set.unlink()  # gone from this node
+    with pytest.raises(DataError):
+        evaluate_checkpoint(ckpt, GenEvalConfig(path=str(eval_set)))
+    failure = read_failure(ckpt)
+    assert failure["reason"] == f"DataError: eval.path: {eval_set} is not a file on node {socket.gethostname()}"
+    assert failure["kind"] == "failed" and failure["key"] is None and failure["step"] == 4
+    assert log.poll(now=True) == 1
+    assert [e["reason"].split(":")[0] for e in read_metrics(run) if e.get("event") == "gen_eval_failed"] == [
+        "CheckpointError", "DataError"]
