@@ -219,6 +219,23 @@ def test_an_evaluation_that_never_gets_its_resources_is_cancelled_and_recorded_a
     assert "waited that long for its resources (eval.num_cpus, eval.num_gpus)" in failure["reason"]
 
 
+def test_the_validation_task_runs_on_the_controllers_node_and_its_process_death_is_retried(tmp_path):
+    """Ray 2.60 ends the run when the validation task's own process or node dies (only an ordinary error or a
+    cancel is the validation's end): the task is pinned, not softly, to the node Ray Train places the controller on,
+    the driver's (its label selector in DataParallelTrainer), so losing that node ends nothing the controller's loss
+    would not; its process killed alone, Ray starts it again (each start an attempt at the evaluation, bounded)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raysft.launch.ray_driver import gen_eval_validation
+
+    options = gen_eval_validation(tiny_config(tmp_path, **{"eval.path": "builtin:demo-eval"})).ray_remote_kwargs
+    where = options["scheduling_strategy"]
+    assert isinstance(where, NodeAffinitySchedulingStrategy) and not where.soft
+    assert where.node_id == ray.get_runtime_context().get_node_id()  # the driver's node: the controller's
+    assert options["num_cpus"] == 0 and options["max_retries"] == 2
+
+
 def test_a_cluster_that_cannot_place_the_workers_is_an_error(tmp_path):
     cfg = tiny_config(tmp_path, **{"scaling.num_workers": 8, "train.global_batch_size": 32})
     with pytest.raises(CannotPlaceWorkers, match="scaling.num_workers=8"):

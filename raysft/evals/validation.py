@@ -42,8 +42,10 @@ def validation_kwargs(cfg: TrainConfig) -> dict:
             "resources": task_resources(cfg)}
 
 
-# Ray's validation task itself only waits on the evaluation's (raysft.launch.ray_controller.validate_checkpoint)
-VALIDATION_TASK_RESOURCES = {"num_cpus": 0, "max_retries": 0}
+# Ray's validation task itself only waits on the evaluation's (raysft.launch.ray_controller.validate_checkpoint).
+# Its process killed (not its node: raysft.launch.ray_driver.validation_task_options), Ray starts it again, at most
+# twice: each start is an attempt at the evaluation (MAX_ATTEMPTS), and once its retries are spent Ray 2.60 ends the run
+VALIDATION_TASK_RESOURCES = {"num_cpus": 0, "max_retries": 2}
 
 
 def task_resources(cfg: TrainConfig) -> dict:

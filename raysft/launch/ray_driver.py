@@ -191,14 +191,24 @@ def ray_checkpoint_config(config: TrainConfig) -> CheckpointConfig:
 def gen_eval_validation(config: TrainConfig) -> ValidationConfig | None:
     """With an eval section, Ray Train's validation (raysft.launch.ray_controller.validate_checkpoint): a task of
     its own per reported checkpoint, which runs the evaluation as a task on eval.num_cpus / eval.num_gpus, its
-    metrics joining the checkpoint's. Its timeout is Ray's last
-    resort, RAY_GRACE_S after the evaluation's own (which records the timeout before it gives up)."""
+    metrics joining the checkpoint's. Its timeout is Ray's last resort, RAY_GRACE_S after the evaluation's own
+    (which records the timeout before it gives up). Its options: validation_task_options()."""
     if not config.eval.path:
         return None
     return ValidationConfig(validate_checkpoint,
                             task_config=ValidationTaskConfig(fn_kwargs=validation_kwargs(config),
                                                              timeout_s=config.eval.timeout_s + RAY_GRACE_S),
-                            ray_remote_kwargs=VALIDATION_TASK_RESOURCES)
+                            ray_remote_kwargs=validation_task_options())
+
+
+def validation_task_options() -> dict:
+    """Ray's options of the validation task, which only waits on the evaluation's (VALIDATION_TASK_RESOURCES). Ray
+    2.60 ends the run when that task's process or node dies (it takes only an ordinary error or a cancel as the
+    validation's end), so it runs on this, the driver's, node: Ray Train places its controller there (the label
+    selector of TrainController in DataParallelTrainer), so losing the node ends the run anyway. The death of its
+    process alone is retried (max_retries)."""
+    here = ray.get_runtime_context().get_node_id()
+    return {**VALIDATION_TASK_RESOURCES, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
 
 
 def connect_ray(scaling: RaysftScaling, eval_cpus: float = 0.0) -> LocalRay | None:
