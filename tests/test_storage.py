@@ -340,7 +340,8 @@ def s3_processes(s3, tmp_path_factory):
 def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp_path, prefix, s3_processes):
     """raysft.run on s3://: every rank uploads its files, rank 0 the manifest last; a relaunch resumes from the
     bucket (sharded → full, then from a full checkpoint in files with an index, which rank 0 downloads and
-    broadcasts), and checkpoint.keep prunes there too."""
+    broadcasts), and checkpoint.keep prunes there too; the vLLM engine evaluates such a checkpoint from its export
+    on the bucket."""
     from raysft.launch.torchrun import launch
 
     sets = {"train.max_steps": 4, "checkpoint.every_n_steps": 1, "checkpoint.keep": 2, "run.storage_path": prefix,
@@ -361,6 +362,23 @@ def test_without_ray_a_run_on_s3_uploads_each_checkpoint_and_resumes_from_it(tmp
                                                       "train.schedule_steps": 5}))  # its LR laid out again
     assert [m["step"] for m in read_metrics(cfg.run_dir) if m.get("event") == "resume"] == [3, 4]
     assert [d.name for d in run.dirs("checkpoint_")] == ["checkpoint_00000004", "checkpoint_00000005"]
+
+    # the vLLM engine's model while it evaluates a remote checkpoint: its bf16 export, uploaded beside the checkpoint
+    # (storage every node reads; Ray's vLLM stage downloads a URI on its node), gone once the evaluation ends
+    from raysft.evals.runner import VLLM_EXPORT, model_directory
+
+    ckpt = run / "checkpoint_00000005"
+    expected = export_weights(ckpt, tmp_path / "fp32")
+    with model_directory(ckpt, "vllm") as model:
+        assert model == f"{prefix}/t/checkpoint_00000005/eval/{VLLM_EXPORT}", model
+        shared = location(model)
+        assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(shared.files()), shared.files()
+        (shared / "model.safetensors").download(tmp_path / "bf16.safetensors")
+        weights = load_file(tmp_path / "bf16.safetensors")
+        assert weights.keys() == expected.keys()
+        assert all(weights[k].dtype == torch.bfloat16 and torch.equal(weights[k], expected[k].bfloat16())
+                   for k in weights)
+    assert shared.files() == {} and not any(f.name == VLLM_EXPORT for f in (ckpt / "eval").children())
 
 
 def _launch_in_small_files(ctx, cfg) -> dict:
