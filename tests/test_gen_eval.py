@@ -556,6 +556,65 @@ def test_a_run_attempts_a_checkpoints_evaluation_at_most_max_attempts_times_acro
     assert not outcomes
 
 
+def test_an_attempt_that_ended_without_a_record_is_recorded_as_interrupted_once_by_the_driver(tmp_path, monkeypatch):
+    """Ray cancels a validation without a record when its run aborts (the cancel reaches the evaluation as a
+    KeyboardInterrupt) and force-cancels it at its own timeout. The driver's look (before a launch, once a run's
+    validations ended) records each checkpoint whose last counted attempt has no record after it as interrupted,
+    naming the attempt: one gen_eval_failed event, once. A checkpoint whose attempt recorded its failure or result,
+    one the run gave up on, and one never attempted are left as they are."""
+    from dataclasses import asdict
+
+    from pyarrow.fs import LocalFileSystem
+
+    import raysft.evals.runner as runner
+    from raysft.checkpoint.gen_record import count_attempt
+    from raysft.evals.validation import validate_checkpoint
+
+    run = tmp_path / "run"
+    ckpts = {step: fake_checkpoint(run, step) for step in (2, 4, 6, 8, 10)}
+    monkeypatch.setattr(runner, "read_trainer_state", lambda ckpt: {"step": int(Path(ckpt).name[-8:])})
+    outcomes = {2: [KeyboardInterrupt()], 4: [RuntimeError("CUDA error: out of memory"), KeyboardInterrupt()],
+                6: [RuntimeError("no vLLM")]}
+    monkeypatch.setattr(runner, "evaluate", lambda ckpt, *args, **kwargs: (_ for _ in ()).throw(
+        outcomes[int(Path(ckpt).name[-8:])].pop(0)))
+    settings = asdict(GenEvalConfig(path="builtin:demo-eval"))
+
+    def validate(step: int, raises) -> None:
+        with pytest.raises(raises):
+            validate_checkpoint(SimpleNamespace(filesystem=LocalFileSystem(), path=str(ckpts[step])), settings)
+
+    validate(2, KeyboardInterrupt)  # cancelled: no record
+    validate(4, RuntimeError)  # recorded; its second attempt cancelled
+    validate(4, KeyboardInterrupt)
+    validate(6, RuntimeError)  # recorded
+    key = runner.evaluation_key(GenEvalConfig(path="builtin:demo-eval"), "", "hf")
+    for _ in range(4):  # the run gave up on step 8 (its 4th request recorded it), a 5th request leaves no record
+        count_attempt(ckpts[8], key)
+    runner.record_failure(ckpts[8], GenEvalConfig(path="builtin:demo-eval"), "", "hf", "not evaluated again", "gave_up")
+    count_attempt(ckpts[8], key)
+    # step 10 never attempted
+
+    assert runner.record_unrecorded_attempts(run, "Ray cancelled it") == ["checkpoint_00000002", "checkpoint_00000004"]
+    for step, attempt in ((2, 1), (4, 2)):
+        failure = read_failure(ckpts[step])
+        assert failure["kind"] == "interrupted" and failure["step"] == step and failure["key"] == key, failure
+        assert f"attempt {attempt} of its evaluation, started " in failure["reason"]
+        assert failure["reason"].endswith("ended without a record: Ray cancelled it")
+    assert read_failure(ckpts[6])["reason"] == "RuntimeError: no vLLM" and read_failure(ckpts[8])["kind"] == "gave_up"
+    assert read_failure(ckpts[10]) is None
+    assert runner.record_unrecorded_attempts(run, "Ray cancelled it") == []  # once
+    GenEvalLog(run, MetricsLogger(run, 10, 1)).poll(now=True)
+    events = [(m["step"], m["outcome"]) for m in read_metrics(run) if m.get("event") == "gen_eval_failed"]
+    assert sorted(events) == [(2, "interrupted"), (4, "interrupted"), (6, "failed"), (8, "gave_up")], events
+
+    # the next launch's attempt at step 2 finishes: its result follows the interruption, nothing more is recorded
+    monkeypatch.setattr(runner, "evaluate", lambda *args, **kwargs: (
+        {"metrics": {"gen/contains": 1.0}, "key": key, "finished": 2000.0}, []))
+    validate_checkpoint(SimpleNamespace(filesystem=LocalFileSystem(), path=str(ckpts[2])), settings)
+    assert read_result(ckpts[2])["metrics"] == {"gen/contains": 1.0} and read_failure(ckpts[2]) is None
+    assert runner.record_unrecorded_attempts(run, "Ray cancelled it") == []
+
+
 @pytest.fixture(scope="module")
 def llama3_model(tmp_path_factory) -> Path:
     """A tiny random model with Llama 3.1's tokenizer setup: a BOS that its chat template writes, tools rendered

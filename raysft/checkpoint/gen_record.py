@@ -7,7 +7,9 @@ torchrun launch in-process, or `raysft eval`):
                  when it started and finished, and the per-sample table's file name
   samples.jsonl  one line per sample: its prompt, the generation, the expected answer and each scorer's score
   failed.json    instead of result.json, when the evaluation failed or ran out of time: why, and when
-  attempts.json  how many times a run's validation started the evaluation of this key (bounded across launches)
+  attempts.json  how many times a run's validation started the evaluation of this key (bounded across launches),
+                 and when the last one started; each record names how many had started when it was written,
+                 so an attempt that ended without one (Ray cancelled it, its launch ended) is found later
 
 The directory is not part of the checkpoint's manifest (the manifest lists what the save wrote), so adding it never
 makes a checkpoint incomplete, and a checkpoint that is pruned takes its table with it. A copy of the record (the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 from raysft.checkpoint.discovery import RUN_FILE
@@ -67,30 +70,55 @@ def _read(path: Location, keys: tuple[str, ...]) -> dict | None:
 
 def write_result(ckpt: str | Path | Location, record: dict) -> None:
     """Write the result (whole), replacing a failure recorded before, and its copy in the run's records."""
-    where, text = eval_dir(ckpt), json.dumps({"format": RECORD_FORMAT, **record}, indent=1)
+    where, text = eval_dir(ckpt), _record_text(ckpt, record)
     (where / RESULT_FILE).write_text(text)
     (where / FAILED_FILE).delete()
     _run_copy(ckpt, text)
 
 
 def write_failure(ckpt: str | Path | Location, record: dict) -> None:
-    text = json.dumps({"format": RECORD_FORMAT, **record}, indent=1)
+    text = _record_text(ckpt, record)
     (eval_dir(ckpt) / FAILED_FILE).write_text(text)
     _run_copy(ckpt, text)
+
+
+def _record_text(ckpt: str | Path | Location, record: dict) -> str:
+    """The record as written, with the attempts started when it was (`unrecorded_attempt` compares them)."""
+    noted = read_attempts(ckpt)
+    return json.dumps({"format": RECORD_FORMAT, **record, "attempts": noted["attempts"] if noted else 0}, indent=1)
+
+
+def read_attempts(ckpt: str | Path | Location) -> dict | None:
+    """The checkpoint's attempts.json ({key, attempts, started}), or None."""
+    try:
+        noted = json.loads((eval_dir(ckpt) / ATTEMPTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return noted if isinstance(noted, dict) and isinstance(noted.get("attempts"), int) else None
 
 
 def count_attempt(ckpt: str | Path | Location, key: dict) -> int:
     """Note one more attempt at the checkpoint's evaluation of `key`, before it runs (so that an attempt whose
     process died with it, unrecorded, counts too): this attempt's number, from 1; another key counts from 1."""
-    where = eval_dir(ckpt) / ATTEMPTS_FILE
-    try:
-        noted = json.loads(where.read_text())
-    except (OSError, ValueError):
-        noted = None
-    same = isinstance(noted, dict) and noted.get("key") == key and isinstance(noted.get("attempts"), int)
-    attempt = noted["attempts"] + 1 if same else 1
-    where.write_text(json.dumps({"format": RECORD_FORMAT, "key": key, "attempts": attempt}))
+    noted = read_attempts(ckpt)
+    attempt = noted["attempts"] + 1 if noted is not None and noted.get("key") == key else 1
+    (eval_dir(ckpt) / ATTEMPTS_FILE).write_text(json.dumps({"format": RECORD_FORMAT, "key": key,
+                                                            "attempts": attempt, "started": time.time()}))
     return attempt
+
+
+def unrecorded_attempt(ckpt: str | Path | Location) -> dict | None:
+    """The checkpoint's attempts.json when its last attempt left no record (Ray cancelled it when its run aborted,
+    or at Ray's own timeout; its process died with its launch); None when a record followed it or the run gave up on
+    it (later requests leave no record on purpose)."""
+    noted = read_attempts(ckpt)
+    if noted is None:
+        return None
+    records = [r for r in (read_result(ckpt), read_failure(ckpt)) if r is not None]
+    latest = max(records, key=lambda r: r["finished"], default=None)
+    if latest is not None and (latest.get("kind") == "gave_up" or latest.get("attempts") == noted["attempts"]):
+        return None
+    return noted
 
 
 def _run_copy(ckpt: str | Path | Location, text: str) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from raysft.checkpoint import read_trainer_state
+from raysft.checkpoint import checkpoint_dirs, read_trainer_state
 from raysft.checkpoint.discovery import step_of
 from raysft.checkpoint.gen_record import (
     GEN_PREFIX,
@@ -37,6 +37,7 @@ from raysft.checkpoint.gen_record import (
     read_failure,
     read_result,
     run_records,
+    unrecorded_attempt,
     write_failure,
     write_result,
 )
@@ -200,6 +201,25 @@ def record_failure(ckpt: str | Path | Location, settings: GenEvalConfig, system_
         key = None
     write_failure(ckpt, {"step": step_of(location(ckpt)), "checkpoint": location(ckpt).name, "kind": kind,
                          "key": key, "reason": reason, "finished": time.time()})
+
+
+def record_unrecorded_attempts(run_dir: str | Path | Location, why: str) -> list[str]:
+    """Record as interrupted (one gen_eval_failed event each, outcome interrupted) every checkpoint of the run whose
+    last evaluation attempt (eval/attempts.json) ended without a record: Ray cancels a validation without one when
+    its run aborts, and force-cancels it at its own timeout. The driver looks before a launch and once a run's
+    validations have all ended; `why` says what is known then. The checkpoints' names."""
+    found = []
+    for ckpt in checkpoint_dirs(run_dir):
+        noted = unrecorded_attempt(ckpt)
+        if noted is None:
+            continue
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(noted.get("started", 0)))
+        write_failure(ckpt, {"step": step_of(location(ckpt)), "checkpoint": location(ckpt).name,
+                             "kind": "interrupted", "key": noted.get("key"), "finished": time.time(),
+                             "reason": f"attempt {noted['attempts']} of its evaluation, started {started}, ended "
+                                       f"without a record: {why}"})
+        found.append(location(ckpt).name)
+    return found
 
 
 def evaluate_model(model: str | Path | Location, settings: GenEvalConfig, system_prompt: str = "",

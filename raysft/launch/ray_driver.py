@@ -21,6 +21,7 @@ from raysft.distributed.collectives import process_group_backend
 from raysft.distributed.layout import check_hsdp_shard_size_fits_nodes
 from raysft.distributed.local_ray import LocalRay, check_reachable, connect, wait_ended
 from raysft.errors import CannotPlaceWorkers
+from raysft.evals.runner import record_unrecorded_attempts
 from raysft.evals.validation import VALIDATION_TASK_RESOURCES, validation_kwargs
 from raysft.launch.lease import RunLease
 from raysft.launch.paths import resolve_paths
@@ -58,6 +59,11 @@ START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S = "RAY_TRAIN_WORKER_GROUP_START_TIMEO
 # How long the stop request may take to reach the StopFlag actor (milliseconds on a live cluster): after a signal to
 # the whole job, Ray's own processes are gone and it never does.
 STOP_REQUEST_TIMEOUT_S = 10.0
+# What is known of an evaluation attempt that left no record, found before a launch or once a run's validations ended
+UNRECORDED_BEFORE = ("its launch ended first (Ray cancels a running validation when its run aborts: a stop, an "
+                     "error that ended the run; Ray queues such a one again)")
+UNRECORDED_AT_END = (f"Ray cancelled it (its own timeout, eval.timeout_s + {RAY_GRACE_S:g} s from the task's "
+                     "submission, passed first), or its validation task's process died")
 # Ray Train's own INFO lines (each report's TrainingReport(...), worker-group starts, process-group setup) stay off
 # the terminal, where raysft's lines are what a user reads; Ray Train's system log files in the Ray session's logs
 # directory keep every level. RAYSFT_RAY_TRAIN_LOG_LEVEL=INFO shows them again.
@@ -117,10 +123,12 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     print(f"raysft: run {config.run.name} in {config.run_dir}", flush=True)
     clear_run_ending_records(config.run_dir)
     forget_evaluation_request(config.run_dir)
+    record_unrecorded_attempts(config.run_dir, UNRECORDED_BEFORE)  # an earlier launch's: rank 0 logs them
     signals = DriverSignals(config.run.stop_grace_s, on_term=lambda: request_stop(stop_flag))
     try:
         result = signals.run(trainer.fit)  # raises raysft.launch.signals.Stopped on SIGTERM or Ctrl-C
         if config.eval.path:  # fit returned once every evaluation ended: those after the workers', into the log
+            record_unrecorded_attempts(config.run_dir, UNRECORDED_AT_END)
             log_remaining(config)
         return result
     except Stopped:
