@@ -27,6 +27,13 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # that of two launches racing for one run only one goes on. Tests run one launch of a run at a time, except
 # tests/test_lease.py, which races them with its own settings; a tenth of that is plenty on a local disk.
 os.environ.setdefault("RAYSFT_LEASE_SETTLE_S", "0.1")
+# Ray Train starts a preemption watcher (an actor polling Ray for draining nodes) with every worker group, and
+# reports metrics from the controller and the workers. One test reads the watcher's notices (test_faults_cluster's
+# drained node: it turns the watcher back on); no test reads Ray Train's metrics. Each worker group's start costs a
+# process less without them. A `raysft` command the tests type as a user would (cli_env) keeps Ray's defaults.
+WITHOUT_RAY_TRAIN_EXTRAS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
+for _key, _value in WITHOUT_RAY_TRAIN_EXTRAS.items():
+    os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parent.parent
 # Real files from other projects (chat templates, a ShareGPT file), vendored with their sources: tests/data/README.md
@@ -282,11 +289,12 @@ def run_workers(fn, loop_config: dict, tmp_path, num_workers: int = 2):
 
 @contextlib.contextmanager
 def cli_env():
-    """The environment of a `raysft` command that starts its own local Ray: no RAY_ADDRESS, and Ray's state in a
-    short directory (its socket paths must stay under 108 bytes)."""
+    """The environment of a `raysft` command that starts its own local Ray: no RAY_ADDRESS, Ray Train's own defaults
+    (as a user has them), and Ray's state in a short directory (its socket paths must stay under 108 bytes)."""
     short = tempfile.mkdtemp(prefix="r", dir="/tmp")
     try:
-        yield {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_TMPDIR": short}
+        yield {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and k not in WITHOUT_RAY_TRAIN_EXTRAS},
+               "RAY_TMPDIR": short}
     finally:
         shutil.rmtree(short, ignore_errors=True)
 

@@ -207,8 +207,12 @@ def ray_tracked(run_dir: Path) -> list[str]:
     return sorted(Path(r["checkpoint_dir_name"]).name for r in snapshot["checkpoint_results"])
 
 
-def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_path, nodes, reference, cluster):
+def test_a_preemption_notice_saves_a_checkpoint_before_the_node_is_drained(tmp_path, nodes, reference, cluster,
+                                                                           monkeypatch):
     ref = reference(2)
+    # the suite turns Ray Train's preemption watcher off (tests/conftest.py); the driver passes this on to the run's
+    # controller, which starts one with each worker group
+    monkeypatch.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
     a = nodes()
     arm(cluster.faults, "slow_steps", seconds=1.0)  # so the run is still going when the deadline comes
     cfg = config(tmp_path, "preempt", **{"checkpoint.every_n_steps": 100})
