@@ -84,7 +84,7 @@ def test_resume_restores_model_optimizer_schedule_cursor_and_rng(tmp_path, gloo_
     assert after == before and before["step"] == 5 and before["scheduler"]["last_epoch"] == 5
 
 
-STEPS = 24
+STEPS = 16  # the fp16 run skips its first 5 steps: its last 5 of 11 trained still 0.71 of its first 5
 # fp16 starts from a loss scale that overflows for sure: the scaler must skip and back off, then train.
 VARIANTS = {
     "bf16": {"parallel.mixed_precision": "bf16"},
