@@ -7,7 +7,6 @@ The build downloads from PyPI into .gpubundle-cache/ (ignored by git), once: lat
 with PyPI access does. Ray's tar is compressed at xz level 0 here, to keep the test short."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -74,7 +73,10 @@ def device_like_site(dest: Path) -> Path:
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
     """A fresh venv without system site packages, its site holding a .pth to the device-like folder; the bundle
-    installed into SITE, which goes first on PYTHONPATH as bench/gpu/check.py puts it."""
+    installed by bench/gpu/check.py's bundle step, run by that venv's Python as the device's runs it, into
+    WORK/site, which goes first on PYTHONPATH for every later step (the check's prepare and titan steps run once
+    here for test_the_check_installs_the_bundle_and_runs_torchtitans_leg_as_far_as_a_cpu_can: one install serves
+    the module)."""
     tmp = tmp_path_factory.mktemp("bundle")
     out = tmp / "bundle"
     manifest = bundle.build(out, PYTHON, CACHE, preset=0)
@@ -84,16 +86,19 @@ def venv(tmp_path_factory):
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "device.pth").write_text(str(device_like_site(tmp / "device-site")) + "\n")
-    installed = tmp / "site"
-    done = subprocess.run([str(python), str(REPO / "bench" / "gpu" / "bundle.py"), "install", str(out),
-                           str(installed)], capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    yield python, installed, manifest, out
+    # the GPU machine's Triton, which torchtitan imports and this machine's CPU build of torch lacks
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp), "PYTHONPATH": str(triton_site())}
+    check = subprocess.run([str(python), str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out",
+                            str(tmp / "out"), "--work", str(tmp / "work"), "--only", "bundle,prepare,titan",
+                            "--bundle", str(out)], cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    summary = json.loads((tmp / "out" / "summary.json").read_text())
+    yield python, tmp / "work" / "site", manifest, out, {s["name"]: s for s in summary["steps"]}
     shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_the_bundle_fits_a_device_call_and_carries_none_of_what_the_device_has(venv):
-    _, _, manifest, out = venv
+    _, _, manifest, out, _ = venv
     assert manifest["carried_bytes"] <= bundle.CARRY_LIMIT and manifest["python_version"] == PYTHON
     assert manifest["ray"].startswith("ray-") and (out / manifest["ray"]).is_file()
     names = {w.split("-")[0].replace("_", "-").lower() for w in manifest["wheels"]}
@@ -102,7 +107,7 @@ def test_the_bundle_fits_a_device_call_and_carries_none_of_what_the_device_has(v
 
 
 def test_ray_comes_from_the_bundle_alone(venv):
-    python, installed, _, _ = venv
+    python, installed, _, _, _ = venv
     without = subprocess.run([str(python), "-c", "import ray"], capture_output=True, text=True)
     assert without.returncode != 0 and "No module named 'ray'" in without.stderr  # the base has no Ray
     probe = "import ray, ray.train.torch, torchtitan, tyro; print(ray.__file__, ray.__version__)"
@@ -115,7 +120,7 @@ def test_ray_comes_from_the_bundle_alone(venv):
 
 def test_fp8_training_comes_from_the_bundle(venv):
     # torchao is not on the GPU machine: the bundle's, imported against the torch there is, converts a model
-    python, installed, _, _ = venv
+    python, installed, _, _, _ = venv
     without = subprocess.run([str(python), "-c", "import torchao"], capture_output=True, text=True)
     assert without.returncode != 0 and "No module named 'torchao'" in without.stderr
     probe = ("import torchao, torch; from raysft.parallel.fp8 import convert_to_fp8; "
@@ -131,11 +136,13 @@ def test_fp8_training_comes_from_the_bundle(venv):
 
 
 def test_raysft_train_runs_from_the_bundle(venv, tmp_path):
-    python, installed, _, _ = venv
+    python, installed, _, _, _ = venv
     with cli_env() as env:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_TMPDIR": env["RAY_TMPDIR"],
                "PYTHONPATH": f"{installed}:{REPO}", "TOKENIZERS_PARALLELISM": "false"}
+        # one worker, as on the one-GPU device machine: a second would only import torch once more
         done = subprocess.run([str(python), "-m", "raysft", "train", "--set", "train.max_steps=2",
+                               "--set", "scaling.num_workers=1",
                                "--set", "checkpoint.every_n_steps=2", "--set", "data.max_seq_len=64",
                                "--set", f"run.storage_path={tmp_path}", "--set", "run.name=bundle"],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -157,17 +164,14 @@ def triton_site() -> Path:
     return site
 
 
-def test_the_check_installs_the_bundle_and_runs_torchtitans_leg_as_far_as_a_cpu_can(venv, tmp_path):
-    # bench/gpu/check.py's bundle step, then its titan leg with torchtitan from the bundle: torchtitan's own config
-    # parsed from the leg's flags, its tokenizer and data loader built from it, one step's batch drawn
-    _, _, _, out = venv
-    env = {**os.environ, "PYTHONPATH": str(triton_site())}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "check.py"), "--smoke", "--out",
-                           str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--only", "bundle,prepare,titan",
-                           "--bundle", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = {s["name"]: s for s in json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]}
+def test_the_check_installs_the_bundle_and_runs_torchtitans_leg_as_far_as_a_cpu_can(venv):
+    # bench/gpu/check.py's bundle step (the venv fixture's run), then its titan leg with torchtitan from the bundle:
+    # torchtitan's own config parsed from the leg's flags, its tokenizer and data loader built from it, one step's
+    # batch drawn
+    _, installed, _, _, steps = venv
+    assert list(steps) == ["bundle", "prepare", "titan"]
     assert all(s["status"] == "ok" for s in steps.values()), {n: s.get("log_tail") for n, s in steps.items()}
+    assert (installed / "ray").is_dir() and (installed / "torchtitan").is_dir()  # the bundle step's install
     titan = steps["titan"]["result"]
     data = titan["data"]
     rows, seq_len = data["local_batch_size"], data["tokens_per_step"] // data["local_batch_size"]
