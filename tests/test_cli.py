@@ -1,4 +1,6 @@
-"""The console script end to end, as a user runs it: its own local Ray, exit codes, printed paths."""
+"""The console script end to end, as a user runs it: exit codes, printed paths, a terminal's progress bar. Its
+training joins the suite's Ray through RAY_ADDRESS; a `raysft train` that starts a local Ray of its own (its
+"a local Ray of its own; its logs: ..." line, its processes gone after) is tests/test_signals.py's."""
 
 import json
 import os
@@ -8,15 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, cli_env, cli_in_process
+from conftest import REPO, WITHOUT_RAY_TRAIN_EXTRAS, cli_in_process
 
 from raysft.training.metrics import read_metrics
-
-
-@pytest.fixture
-def env():
-    with cli_env() as env:
-        yield env
 
 
 def on_a_terminal(*args: str, env: dict, stdout_file) -> tuple[int, str]:
@@ -40,8 +36,13 @@ def on_a_terminal(*args: str, env: dict, stdout_file) -> tuple[int, str]:
     return proc.wait(timeout=600), seen.decode(errors="replace")
 
 
-@pytest.mark.slow  # a real raysft train on a local Ray
-def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env):
+@pytest.mark.slow  # a real raysft train, on the suite's Ray
+def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, ray_head):
+    # the cluster in RAY_ADDRESS, as a user of a running cluster has it: no local Ray's start and stop here. Ray
+    # Train's defaults, as a user has them (conftest's WITHOUT_RAY_TRAIN_EXTRAS off): the preemption watcher's
+    # default said explicitly, which Ray Train passes on to its controller over the suite's head's setting
+    env = {**{k: v for k, v in os.environ.items() if k not in WITHOUT_RAY_TRAIN_EXTRAS},
+           "RAY_ADDRESS": ray_head.address, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
     code, terminal = on_a_terminal(
         "train", "jobs/configs/demo.yaml", "--set", "train.max_steps=6", "--set", "checkpoint.every_n_steps=3",
         "--set", "data.max_seq_len=96", "--set", f"run.storage_path={tmp_path}", "--set", "run.name=cli",
@@ -52,7 +53,7 @@ def test_train_on_a_terminal_draws_a_bar_then_exports_and_prompts(tmp_path, env)
     # Ray Train's own INFO lines (each report's metrics dict, worker-group starts) stay in Ray's logs
     assert "TrainingReport(" not in terminal and "Requesting resources" not in terminal, terminal[-3000:]
     stdout = (tmp_path / "stdout").read_text()
-    assert "raysft: checkpoint step=3 mode=" in stdout and "raysft: a local Ray of its own; its logs: " in stdout
+    assert "raysft: checkpoint step=3 mode=" in stdout and "a local Ray of its own" not in stdout  # joined it
     assert f"raysft: latest checkpoint {tmp_path}/cli/checkpoint_00000006" in stdout
     assert "assistant:" in stdout and (tmp_path / "hf" / "model.safetensors").is_file()
     # make demo's closing line: the demo's eval set scored before training (the base, step 0) and after it, each
