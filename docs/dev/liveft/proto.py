@@ -8,6 +8,7 @@ gates the optimizer. A failed step is redone (the batch is a function of manager
 Usage: python proto.py OUT_DIR [--kill-step K] [--kill-rg 1] [--steps N] [--report-every R]
 Writes OUT_DIR/rg{i}.jsonl (one line per event) and OUT_DIR/final_rg{i}.pt, OUT_DIR/summary.json.
 """
+
 import argparse
 import hashlib
 import json
@@ -36,11 +37,10 @@ def _sha(model, opt):
 
 def train_func(cfg):
     t_import = time.time()
+    import ray.train
     import torch
     import torch.nn as nn
     from torch.distributed import ReduceOp
-
-    import ray.train
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing.http_transport import HTTPTransport
     from torchft.checkpointing.pg_transport import PGTransport
@@ -156,15 +156,28 @@ def train_func(cfg):
         if ok:
             opt.step()
         log(
-            ev="step", step=step, committed=ok, replicas=ids, samples=mine, quorum_id=q.quorum_id,
-            heal=bool(q.heal), quorum_s=round(t_q - t0, 4), step_s=round(time.time() - t0, 4),
-            loss=float(loss), sha=_sha(model, opt) if ok else None,
+            ev="step",
+            step=step,
+            committed=ok,
+            replicas=ids,
+            samples=mine,
+            quorum_id=q.quorum_id,
+            heal=bool(q.heal),
+            quorum_s=round(t_q - t0, 4),
+            step_s=round(time.time() - t0, 4),
+            loss=float(loss),
+            sha=_sha(model, opt) if ok else None,
             healed_at=heal_events[-1] if heal_events else None,
         )
         heal_events.clear()
 
         full = len(ids) == cfg["world"]
-        if ok and cfg["report_every"] and (step + 1) % cfg["report_every"] == 0 and (full or not cfg["report_full_only"]):
+        if (
+            ok
+            and cfg["report_every"]
+            and (step + 1) % cfg["report_every"] == 0
+            and (full or not cfg["report_full_only"])
+        ):
             tr = time.time()
             ckpt = None
             import tempfile
@@ -210,24 +223,44 @@ def main():
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
     tmp = os.path.join("/tmp", f"liveft_ray_{os.getpid()}")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=tmp,
-             runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}})
-    cfg = dict(out=out, steps=a.steps, kill_step=a.kill_step, kill_rg=a.kill_rg, report_every=a.report_every,
-               sleep_s=a.sleep_s, transport=a.transport, pg_timeout_s=10, manager_timeout_s=10,
-               min_replicas=a.min_replicas, start_replicas=a.start_replicas,
-               report_full_only=a.report_full_only, world=2,
-               kill_lighthouse_step=a.kill_lighthouse_step)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}},
+    )
+    cfg = dict(
+        out=out,
+        steps=a.steps,
+        kill_step=a.kill_step,
+        kill_rg=a.kill_rg,
+        report_every=a.report_every,
+        sleep_s=a.sleep_s,
+        transport=a.transport,
+        pg_timeout_s=10,
+        manager_timeout_s=10,
+        min_replicas=a.min_replicas,
+        start_replicas=a.start_replicas,
+        report_full_only=a.report_full_only,
+        world=2,
+        kill_lighthouse_step=a.kill_lighthouse_step,
+    )
     trainer = TorchTrainer(
         train_loop_per_worker=train_func,
         train_loop_config=cfg,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         torch_config=TorchftConfig(
-            lighthouse_kwargs={"min_replicas": a.min_replicas, "heartbeat_timeout_ms": a.heartbeat_ms,
-                               "join_timeout_ms": a.join_timeout_ms},
+            lighthouse_kwargs={
+                "min_replicas": a.min_replicas,
+                "heartbeat_timeout_ms": a.heartbeat_ms,
+                "join_timeout_ms": a.join_timeout_ms,
+            },
             backend="gloo",
         ),
-        run_config=RunConfig(storage_path=os.path.join(out, "storage"), name="proto",
-                             failure_config=FailureConfig(max_failures=3)),
+        run_config=RunConfig(
+            storage_path=os.path.join(out, "storage"), name="proto", failure_config=FailureConfig(max_failures=3)
+        ),
     )
     res = {}
 
