@@ -224,8 +224,8 @@ def test_a_tmpfs_short_of_room_skips_snapshots_by_name_and_is_never_filled_for_w
     """The memory_dir a tmpfs of 40 MiB that another process uses too: it holds 23 MiB of its own and writes and
     removes 2 MiB more all along. A step's snapshot takes 10 MiB here (2 ranks on one node, 5 MiB each), and the
     newest whole one is kept while the next is written: the snapshot of step 2 fits, the next ones do not, and each
-    is passed over with a named event, the tier staying on, until the other process frees its 23 MiB after step 3;
-    then they are taken again. The other process never meets a full tmpfs, and the run ends bit-identical to the
+    is passed over with a named event, the tier staying on, until the other process frees its 23 MiB once it reads
+    that event (step 3's); then they are taken again. The other process never meets a full tmpfs, and the run ends bit-identical to the
     run without the tier. Before, the snapshot's write met ENOSPC, left its temporary file, and the tmpfs stayed
     full while the run went on."""
     ballast = small_tmpfs / "other-user.bin"
@@ -241,8 +241,8 @@ def test_a_tmpfs_short_of_room_skips_snapshots_by_name_and_is_never_filled_for_w
             except OSError as e:
                 failures.append(f"{type(e).__name__}: {e}")
             if ballast.exists() and (cfg.run_dir / "metrics.jsonl").is_file() and \
-                    any(m.get("event") == "checkpoint" for m in read_metrics(cfg.run_dir)):
-                ballast.unlink()  # after step 3's stored checkpoint: room again
+                    any("free space" in m.get("reason", "") for m in read_metrics(cfg.run_dir)):
+                ballast.unlink()  # once a snapshot was passed over for the room: room again
             time.sleep(0.05)
 
     beside = threading.Thread(target=other_process, daemon=True)
