@@ -219,13 +219,16 @@ def test_a_dpo_run_may_be_validated_and_keep_its_best_by_reward_accuracy(tmp_pat
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """demo-tiny with random weights and the demo tokenizer: an HF directory `raysft chat` loads."""
+    return saved_tiny_model(load_tokenizer(ModelConfig(), "auto"), tmp_path_factory.mktemp("tiny") / "model")
+
+
+def saved_tiny_model(tok, out: Path) -> Path:
+    """demo-tiny's shapes with seeded random weights and `tok`, saved as an HF directory at out."""
     from transformers import LlamaForCausalLM
 
     from raysft.model.build import preset_config
 
-    tok = load_tokenizer(ModelConfig(), "auto")
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny") / "model"
     LlamaForCausalLM(preset_config("demo-tiny", tok)).save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -621,20 +624,13 @@ def llama3_model(tmp_path_factory) -> Path:
     into the prompt, <|eot_id|> ending a turn."""
     from test_labels import model_tokenizer
     from tokenizers.processors import TemplateProcessing
-    from transformers import LlamaForCausalLM
-
-    from raysft.model.build import preset_config
 
     tok = model_tokenizer("meta-llama-Llama-3.1-8B-Instruct")
     bos = tok.bos_token  # tokenizing text adds it, as Llama 3's tokenizer does (where a rendered template has one)
     tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
                                                               special_tokens=[(bos, tok.bos_token_id)])
     assert tok("hi")["input_ids"][0] == tok.bos_token_id
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("llama3") / "model"
-    LlamaForCausalLM(preset_config("demo-tiny", tok)).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return saved_tiny_model(tok, tmp_path_factory.mktemp("llama3") / "model")
 
 
 def test_both_engines_ask_the_model_with_the_tokens_training_put_before_the_answer(llama3_model, monkeypatch):
