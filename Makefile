@@ -53,8 +53,10 @@ $(TEST_EXTRAS): $(BIN)/raysft pyproject.toml
 demo: $(BIN)/raysft
 	$(BIN)/raysft train jobs/configs/demo.yaml --export runs/demo-model --prompt "What is the capital of France?"
 
+# Two pytest processes side by side (pytest-xdist): the tests that start Ray in one, the rest in the other
+# (tests/conftest.py's streams; a Ray test waits on Ray's processes for much of its time).
 test: $(TEST_EXTRAS)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # For a developer's loop: no Ray, no fault scenarios, no benchmark harnesses, no long training runs (tests marked
 # slow). CI runs `make test`.

@@ -67,26 +67,57 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 # Session fixtures that hold processes (a Ray head, the namespace cluster, the gloo pools): each is stopped right after
-# the last test that asks for it, not at the session's end, so that no test runs beside an idle cluster it does not
-# use. A test that asks for one later, through request.getfixturevalue, starts it again.
+# the last test of its stream that asks for it, not at the session's end, so that no test runs beside an idle
+# cluster it does not use. A test that asks for one later, through request.getfixturevalue, starts it again.
 RELEASED_AFTER_LAST_USER = ("ray_head", "netns_cluster", "gloo_pool", "gloo_pool4")
-_last_user: dict[str, str] = {}
+_last_user: dict[tuple[str, str], pytest.Item] = {}  # (stream, fixture): its last user
+
+
+# The files whose tests start Ray or use the suite's: `make test` runs them in one pytest process (the `ray` stream)
+# beside the rest (the `cpu` stream), with pytest-xdist; a Ray test waits on Ray's processes and health checks for
+# much of its time, in which the other stream computes. A test that takes a Ray cluster fixture in a file not listed
+# fails the collection.
+RAY_FILES = frozenset({"test_bench.py", "test_checkpoint_ray.py", "test_cli.py", "test_data.py", "test_dpo_path.py",
+                       "test_faults_cluster.py", "test_gpu_bundle.py", "test_job_submit.py", "test_multinode.py",
+                       "test_signals.py", "test_storage.py", "test_train_ray.py"})
+
+
+def _stream(path: str) -> str:
+    return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else "cpu"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadgroup`: the two streams are the work units (pytest-xdist's own loadgroup reads marks that it
+    can no longer attach to pytest 9's test ids)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Streams(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _stream(nodeid.split("::", 1)[0])
+
+    return Streams(config, log)
 
 
 def pytest_collection_modifyitems(items):
     """A test that takes a Ray cluster fixture is slow: `make test-fast` (-m "not slow") leaves it out. Modules
-    that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves. The tests that share a
-    cluster run one after another (the suite's Ray head, then the namespace cluster), after every test that starts
-    no Ray, in the order of their files otherwise."""
+    that start Ray in other ways (clusters, fault scenarios, `raysft train`) mark themselves. Each stream runs its
+    tests in this order, the `cpu` stream first in one pytest process: in the `ray` stream, the tests that share a
+    cluster one after another (the suite's Ray head, then the namespace cluster), in the order of their files
+    otherwise."""
     for item in items:
         if {"ray_cluster", "netns_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+            if _stream(str(item.path)) != "ray":
+                raise pytest.UsageError(f"{item.nodeid} uses a Ray cluster: add its file to conftest's RAY_FILES")
     on_head = {item.path for item in items if "ray_head" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: _cluster_group(item, on_head))
+    items.sort(key=lambda item: (_stream(str(item.path)) == "ray", _cluster_group(item, on_head)))
     for item in items:
         for name in RELEASED_AFTER_LAST_USER:
             if name in getattr(item, "fixturenames", ()):
-                _last_user[name] = item.nodeid
+                _last_user[(_stream(str(item.path)), name)] = item
 
 
 def _cluster_group(item, on_head: set) -> int:
@@ -107,7 +138,7 @@ def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)
     finally:
-        for name in (n for n, last in _last_user.items() if last == item.nodeid):
+        for name in (n for (_, n), last in _last_user.items() if last is item):
             for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
                 fixturedef.finish(item._request)
 

@@ -225,9 +225,9 @@ def test_a_tmpfs_short_of_room_skips_snapshots_by_name_and_is_never_filled_for_w
     removes 2 MiB more all along. A step's snapshot takes 10 MiB here (2 ranks on one node, 5 MiB each), and the
     newest whole one is kept while the next is written: the snapshot of step 2 fits, the next ones do not, and each
     is passed over with a named event, the tier staying on, until the other process frees its 23 MiB once it reads
-    that event (step 3's); then they are taken again. The other process never meets a full tmpfs, and the run ends bit-identical to the
-    run without the tier. Before, the snapshot's write met ENOSPC, left its temporary file, and the tmpfs stayed
-    full while the run went on."""
+    that event (step 3's); then they are taken again. The other process never meets a full tmpfs, and the run ends
+    bit-identical to the run without the tier. Before, the snapshot's write met ENOSPC, left its temporary file, and
+    the tmpfs stayed full while the run went on."""
     ballast = small_tmpfs / "other-user.bin"
     ballast.write_bytes(b"\0" * (23 << 20))
     cfg = memory_config(tmp_path, "tmpfs", **{"checkpoint.memory_dir": str(small_tmpfs)})
