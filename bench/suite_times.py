@@ -1,7 +1,8 @@
 """Where the test suite's time goes: each test file's seconds inside the whole suite and alone, and at each file's
 start the machine's load, swap and the processes the suite left alive (descendants of pytest: Ray heads, pools).
 
-    python bench/suite_times.py suite --out DIR [PYTEST_ARGS...]   # the suite, probed (DIR/suite.xml, DIR/probe.jsonl)
+    python bench/suite_times.py suite --out DIR [PYTEST_ARGS...]   # the suite, probed (DIR/suite.xml, DIR/probe.jsonl);
+                                                                   # `-n 2 --dist loadgroup` as make test runs it
     python bench/suite_times.py alone --out DIR FILE...            # each file in a pytest of its own (DIR/alone/*.xml)
     python bench/suite_times.py report DIR                         # the table: file, in suite, alone, ratio, leftovers
 
@@ -55,7 +56,12 @@ def report(out: Path) -> str:
         rows.append(f"| {name} | {s or 0:.0f} | {a or 0:.0f} | {ratio} | {p.get('load1', '')} | "
                     f"{p.get('swap_mib', '')} | {left} |")
     total = f"in suite: {sum(suite.values()):.0f} s; alone: {sum(alone.values()):.0f} s"
-    return "\n".join(rows + ["", total])
+    # side by side (make test's two streams), a file's seconds are spent beside the other stream's
+    by_worker: dict[str, float] = defaultdict(float)
+    for name, seconds in suite.items():
+        by_worker[probes.get(name, {}).get("worker") or "one process"] += seconds
+    streams = "; ".join(f"{w}: {s:.0f} s" for w, s in sorted(by_worker.items()))
+    return "\n".join(rows + ["", total, f"by pytest process: {streams}"])
 
 
 def main() -> None:

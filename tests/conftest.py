@@ -60,7 +60,8 @@ def pytest_runtest_logstart(nodeid, location):
         except psutil.Error:
             continue
         left[label] = left.get(label, 0) + 1
-    record = {"file": name, "time": round(time.time(), 1), "load1": round(os.getloadavg()[0], 2),
+    record = {"file": name, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "time": round(time.time(), 1),
+              "load1": round(os.getloadavg()[0], 2),
               "swap_mib": psutil.swap_memory().used // 2**20, "left": left}
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
