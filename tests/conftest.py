@@ -83,8 +83,8 @@ RAY_FILES = frozenset({"test_bench.py", "test_checkpoint_ray.py", "test_cli.py",
                        "test_signals.py", "test_storage.py", "test_train_ray.py"})
 
 
-def _stream(path: str) -> str:
-    return "ray" if path.rsplit("/", 1)[-1] in RAY_FILES else "cpu"
+def _stream(path: str | Path) -> str:
+    return "ray" if Path(path).name in RAY_FILES else "cpu"
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -111,14 +111,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if {"ray_cluster", "netns_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-            if _stream(str(item.path)) != "ray":
+            if _stream(item.path) != "ray":
                 raise pytest.UsageError(f"{item.nodeid} uses a Ray cluster: add its file to conftest's RAY_FILES")
     on_head = {item.path for item in items if "ray_head" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: (_stream(str(item.path)) == "ray", _cluster_group(item, on_head)))
+    items.sort(key=lambda item: (_stream(item.path) == "ray", _cluster_group(item, on_head)))
     for item in items:
         for name in RELEASED_AFTER_LAST_USER:
             if name in getattr(item, "fixturenames", ()):
-                _last_user[(_stream(str(item.path)), name)] = item
+                _last_user[(_stream(item.path), name)] = item
 
 
 def _cluster_group(item, on_head: set) -> int:
