@@ -46,7 +46,8 @@ def report(out: Path) -> str:
     if (out / "probe.jsonl").exists():
         for line in (out / "probe.jsonl").read_text().splitlines():
             p = json.loads(line)
-            probes[p["file"]] = p
+            if p.get("worker") or p["file"] not in probes:  # older probes also logged xdist's controller: no worker
+                probes[p["file"]] = p
     rows = ["| file | in suite s | alone s | suite/alone | load at start | swap MiB | processes left before it |",
             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name in sorted(set(suite) | set(alone), key=lambda n: -suite.get(n, alone.get(n, 0))):

@@ -41,14 +41,27 @@ TEST_DATA = REPO / "tests" / "data"
 
 
 _probe_file: list[str] = []
+_xdist_controller: list[bool] = []  # pytest-xdist's controller reports its workers' tests: the probe skips them
+
+
+def pytest_configure(config):
+    _xdist_controller.append(bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput"))
+    if hasattr(config, "workerinput"):
+        # `make test` runs two pytest processes on the machine's cores: each computes on one thread (and so do the
+        # processes it starts), as a Ray worker with 1 CPU does, instead of torch's threads waiting on each other
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_runtest_logstart(nodeid, location):
-    """With RAYSFT_SUITE_PROBE set (bench/suite_times.py sets it), at each test file's first test: the machine's
-    load and swap, and what earlier files left running (this process's descendants, by name)."""
+    """With RAYSFT_SUITE_PROBE set (bench/suite_times.py sets it), at each test file's first test in a process that
+    runs tests: the machine's load and swap, and what earlier files left running (this process's descendants, by
+    name)."""
     path = os.environ.get("RAYSFT_SUITE_PROBE")
     name = Path(location[0]).name
-    if not path or (_probe_file and _probe_file[-1] == name):
+    if not path or any(_xdist_controller) or (_probe_file and _probe_file[-1] == name):
         return
     _probe_file.append(name)
     import psutil
@@ -74,13 +87,15 @@ RELEASED_AFTER_LAST_USER = ("ray_head", "netns_cluster", "gloo_pool", "gloo_pool
 _last_user: dict[tuple[str, str], pytest.Item] = {}  # (stream, fixture): its last user
 
 
-# The files whose tests start Ray or use the suite's: `make test` runs them in one pytest process (the `ray` stream)
-# beside the rest (the `cpu` stream), with pytest-xdist; a Ray test waits on Ray's processes and health checks for
-# much of its time, in which the other stream computes. A test that takes a Ray cluster fixture in a file not listed
-# fails the collection.
-RAY_FILES = frozenset({"test_bench.py", "test_checkpoint_ray.py", "test_cli.py", "test_data.py", "test_dpo_path.py",
-                       "test_faults_cluster.py", "test_gpu_bundle.py", "test_job_submit.py", "test_multinode.py",
-                       "test_signals.py", "test_storage.py", "test_train_ray.py"})
+# The files whose tests use the suite's Ray clusters or run its Ray scenarios: `make test` runs them in one pytest
+# process (the `ray` stream) beside the rest (the `cpu` stream), with pytest-xdist; a Ray test waits on Ray's
+# processes and health checks for much of its time, in which the other stream computes. Files whose subprocesses
+# start a Ray of their own and need nothing of the suite's (test_bench's benchmarks, test_gpu_bundle's venv) run in
+# the `cpu` stream: the two streams then take about as long (measured: docs/dev/TESTING.md). A test that takes a Ray
+# cluster fixture in a file not listed fails the collection.
+RAY_FILES = frozenset({"test_checkpoint_ray.py", "test_cli.py", "test_data.py", "test_dpo_path.py",
+                       "test_faults_cluster.py", "test_job_submit.py", "test_multinode.py", "test_signals.py",
+                       "test_storage.py", "test_train_ray.py"})
 
 
 def _stream(path: str | Path) -> str:
