@@ -12,4 +12,7 @@ Modules, by role:
                value computed on rank 0 and shared
   local_ray    a Ray of raysft's own on this machine, for a launch or a tokenizing without RAY_ADDRESS (Ray is
                imported by this module alone, not by the package)
+  heal_transport  how a replica group that joins a live run (torchft's quorum) fetches the training state from a
+               live peer: tensors as safetensors, the structure as JSON, nothing unpickled (torchft is imported by
+               this module alone)
 """
