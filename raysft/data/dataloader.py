@@ -35,6 +35,10 @@ class DataCursor:
     def from_state_dict(cls, state: dict) -> DataCursor:
         return cls(**state)
 
+    def load(self, other: DataCursor) -> None:
+        """Take `other`'s place, in place (a sampler holds this cursor): a redone or healed step's."""
+        self.seed, self.epoch, self.consumed = other.seed, other.epoch, other.consumed
+
 
 class TokenizedDataset:
     """The store's samples, read from disk when asked for: a worker holds one integer per sample (the loss-token

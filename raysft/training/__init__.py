@@ -4,6 +4,8 @@ Modules, by role:
   trainer      the loop: batch -> forward -> backward -> clip -> step -> log -> maybe checkpoint
   objective    train.objective as an object, chosen once: SFT or DPO's loss, step, reference pass, validation
   sft          one SFT step's forward and backward over a global batch of samples
+  live         a replica group of one worker in a torchft quorum: the quorum's step, redone where a group failed,
+               and the heal of a group that joins (torchft: the liveft extra)
   optim        AdamW, the learning-rate schedule, the fp16 loss scaler
   step_guard   whether a step may change the model (non-finite or spiking loss or gradient norm)
   evaluation   the loss over the eval store, on every worker, without gradients

@@ -33,16 +33,17 @@ class SFTStep:
         self.cfg, self.dataset, self.shard, self.world_size = cfg, dataset, shard, world_size
         self.device, self.pad_id = device, pad_id
 
-    def forward_backward(self, model: nn.Module, global_batch: np.ndarray,
-                         backward: Callable[[torch.Tensor], None]) -> StepResult:
+    def forward_backward(self, model: nn.Module, global_batch: np.ndarray, backward: Callable[[torch.Tensor], None],
+                         share: tuple[int, int] | None = None) -> StepResult:
         """Forward and `backward` (the trainer's loss scaling) of every micro-batch of this worker. Each
         micro-batch's loss is normalized by the assistant tokens of the whole global batch, times the world size
-        because FSDP averages the gradients over every worker."""
+        because FSDP averages the gradients over every worker. `share` (rank, count): a replica group of one
+        worker's place among the groups of a live quorum (raysft.training.live), which sums the gradients."""
         loss_tokens = max(1, int(self.dataset.num_loss_tokens[global_batch].sum()))
         loss_sum = torch.zeros((), device=self.device)
         lengths: list[int] = []
         computed = 0
-        for batch, sizes, last in self._micro_batches(global_batch):
+        for batch, sizes, last in self._micro_batches(global_batch, share):
             lengths += sizes
             computed += batch["input_ids"].numel()
             model.set_requires_gradient_sync(last)  # reduce once per optimizer step
@@ -51,14 +52,16 @@ class SFTStep:
             loss_sum += ce.detach()
         return StepResult(loss_sum, loss_tokens, lengths, computed)
 
-    def _micro_batches(self, global_batch: np.ndarray) -> Iterator[tuple[dict, list[int], bool]]:
+    def _micro_batches(self, global_batch: np.ndarray,
+                       share: tuple[int, int] | None = None) -> Iterator[tuple[dict, list[int], bool]]:
         """This worker's micro-batches on the device, each with its samples' lengths and whether it is the last.
         Each is collated (and, on CUDA, pinned and copied without blocking) while the device still runs the
         previous one's backward. The first worker of a sequence group counts the samples' lengths in the metrics.
         The cut reads train.micro_batch_tokens at every step."""
         t, shard = self.cfg.train, self.shard
-        parts = micro_batches(global_batch, self.dataset.num_tokens, shard.dp_rank, shard.dp_size,
-                              t.micro_batch_size, t.micro_batch_tokens)
+        rank, count = share or (shard.dp_rank, shard.dp_size)
+        parts = micro_batches(global_batch, self.dataset.num_tokens, rank, count, t.micro_batch_size,
+                              t.micro_batch_tokens)
         for i, indices in enumerate(parts):
             batch = collate(self.dataset, indices, self.pad_id, self.cfg.data.packing)
             sizes = sample_lengths(batch) if shard.sp_rank == 0 else []

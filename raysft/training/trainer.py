@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -45,6 +46,9 @@ from raysft.training.objective import Worker, objective_for
 from raysft.training.optim import build_loss_scaler, build_lr_scheduler, build_optimizer, check_lr_continues
 from raysft.training.step_guard import StepGuard
 
+if TYPE_CHECKING:  # torchft is an optional dependency (the liveft extra): imported only by a live launch
+    from raysft.training.live import LiveReplicas
+
 
 def use_deterministic_kernels(device: torch.device) -> None:
     """Deterministic kernels only (train.deterministic): the same inputs give the same bits, so a stopped and
@@ -71,10 +75,11 @@ class WorkerContext:
 
 def resume_trainer(cfg: TrainConfig, store: Path, ctx: WorkerContext, sink: Sink,
                    preemption_deadline: Callable[[], float | None] = lambda: None,
-                   eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False) -> Trainer:
+                   eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False,
+                   live: LiveReplicas | None = None) -> Trainer:
     """Collective: a Trainer that continues from the run's newest complete checkpoint (a fresh one if none)."""
     resume_dir, skipped = find_resume_dir(cfg.run_dir)
-    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline, eval_store, stop_requested)
+    trainer = Trainer(cfg, store, resume_dir, sink, ctx, preemption_deadline, eval_store, stop_requested, live)
     for path, reason in skipped:
         trainer.log.event("skipped_incomplete_checkpoint", checkpoint=path, reason=reason)
     return trainer
@@ -84,13 +89,16 @@ class Trainer:
     """Builds the sharded model, optimizer and data on this worker; `train()` runs to cfg.train.max_steps.
 
     `preemption_deadline` and `stop_requested` go to the Checkpointer, which decides when to save on them (see
-    raysft.checkpoint.checkpointer.Checkpointer); after the save of a stop request, `train()` returns.
+    raysft.checkpoint.checkpointer.Checkpointer); after the save of a stop request, `train()` returns. With `live`,
+    this worker is a replica group of one in a live quorum (raysft.training.live): each step is the quorum's, and
+    only the group that `live` says writes logs the steps and saves the checkpoints.
     """
 
     def __init__(self, cfg: TrainConfig, store: Path, resume_dir: Path | None, sink: Sink,
                  ctx: WorkerContext, preemption_deadline: Callable[[], float | None] = lambda: None,
-                 eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False):
-        self.cfg, self.ctx = cfg, ctx
+                 eval_store: Path | None = None, stop_requested: Callable[[], bool] = lambda: False,
+                 live: LiveReplicas | None = None):
+        self.cfg, self.ctx, self.live = cfg, ctx, live
         self.sink, self.resume_dir = sink, resume_dir
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
         t = cfg.train
@@ -146,6 +154,8 @@ class Trainer:
         self.fresh = not resume.found
         num_samples = self.objective.samples_in(len(self.objective_step.dataset))  # SFT's samples, DPO's pairs
         self.sampler = GlobalBatchSampler(num_samples, t.global_batch_size, self.state.cursor)
+        if live is not None:
+            live.attach(self)
 
     def train(self) -> dict:
         t = self.cfg.train
@@ -173,9 +183,9 @@ class Trainer:
                 metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
             self.state.eval_metrics = {k: v for k, v in metrics.items() if k.startswith("eval/")} if evaluate else None
-            if due.save:
+            if due.save and self.writes():
                 self.checkpointer.save(self.state, metrics, urgent=due.urgent)
-            elif report:
+            elif report and self.writes():
                 self.sink.report({**metrics, "step": step}, step)
             self.checkpointer.snapshot(self.state, self.totals.rows)
             if self.stopped:
@@ -198,10 +208,20 @@ class Trainer:
         unless the step guard skips it on every rank (raysft.training.step_guard: its decision is the step's one
         wait for the device); the metrics are kept until `reduce_metrics` (now, by default)."""
         start = time.time()
-        global_batch = self.sampler.next_batch()
-        result = self.objective_step.forward_backward(self.model, global_batch,
-                                                     lambda loss: self.scaler.scale(loss).backward())
+
+        def backward(loss: torch.Tensor) -> None:
+            self.scaler.scale(loss).backward()
+
+        if self.live is not None:  # the quorum's step: this group's share, the gradients summed across the groups
+            result = self.live.step(self, backward)
+        else:
+            result = self.objective_step.forward_backward(self.model, self.sampler.next_batch(), backward)
         return self._optimizer_step(start, result, reduce_metrics)
+
+    def writes(self) -> bool:
+        """Whether this worker's group writes the run's step rows and checkpoints (every group but a live one's
+        writer runs the same steps and saves nothing)."""
+        return self.live is None or self.live.writes()
 
     def _optimizer_step(self, start: float, result: StepResult, reduce_metrics: bool) -> dict:
         """Clip, step unless the step guard skips it, and keep the step's metrics. The step's loss is
@@ -246,6 +266,6 @@ class Trainer:
         rows = self.totals.reduce()
         if evaluate:
             rows[-1].update(self.evaluator.run(self.model))
-        for row in rows:
+        for row in rows if self.writes() else ():
             self.log.step(row["step"], {k: v for k, v in row.items() if k not in ("step", "time")}, at=row["time"])
         return {k: v for k, v in rows[-1].items() if k not in ("step", "time")} if rows else {}

@@ -1,0 +1,127 @@
+"""Live fault tolerance on the trainer's side: this worker is a replica group of one (its own process group of world
+size 1) that trains in a torchft quorum with the other groups. Each step starts with a quorum of the live groups;
+the step's global batch, chosen by the data cursor alone, is split over the quorum's groups by their participating
+rank alone; the gradients and the loss are summed across the quorum by torchft's managed all-reduce; and the step is
+applied only where every group of the quorum finished it (`should_commit`). A step that a group failed in is applied
+nowhere and done again by the next quorum, on the same batch, so every applied step sums the gradients of the same
+samples as a run without the fault. A group that joins (a replacement) is behind: torchft heals it from a live
+group's whole training state before its first step, through raysft.distributed.heal_transport.
+
+The launch gives the trainer a LiveReplicas; the trainer asks it for each step (`step`), whether this group writes
+(`writes`: the group at participating rank 0 writes the metrics and the checkpoints), and registers its state for
+heals (`attach`)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.distributed import ReduceOp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state, trainer_state_dict
+from raysft.data.dataloader import GlobalBatchSampler
+from raysft.training.metrics import StepResult
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class Trainer(Protocol):
+    """What a live replica group reads and sets of raysft.training.trainer.Trainer."""
+
+    objs: TrainingObjects
+    state: TrainState
+    sampler: GlobalBatchSampler
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    objective_step: object  # raysft.training.sft.SFTStep: forward_backward(model, batch, backward, share=...)
+
+
+class LiveReplicas:
+    """torchft's Manager for this replica group (`replica_id`), with the Lighthouse at `lighthouse` and the group's
+    store at store_addr:store_port (Ray's TorchftConfig sets MASTER_ADDR and MASTER_PORT per group; None reads
+    them)."""
+
+    def __init__(self, replica_id: int, lighthouse: str, device: torch.device, timeout_s: float = 30.0,
+                 store_addr: str | None = None, store_port: int | None = None):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        from raysft.distributed.heal_transport import SafeHTTPTransport
+
+        timeout = timedelta(seconds=timeout_s)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.replica_id = replica_id
+        self.manager = Manager(pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None,
+                               replica_id=f"raysft_{replica_id}", rank=0, world_size=1, store_addr=store_addr,
+                               store_port=store_port, lighthouse_addr=lighthouse, use_async_quorum=False,
+                               timeout=timeout, quorum_timeout=timeout, checkpoint_transport=SafeHTTPTransport(timeout))
+        self.participants: list[tuple[int, int]] = []  # each applied step's (participating rank, participants)
+
+    def attach(self, trainer: Trainer) -> None:
+        """Register the trainer's whole state for heals: weights, optimizer, the trainer state a checkpoint holds
+        (step, data cursor, schedule, loss scale, step guard) and the RNG."""
+        objs = trainer.objs
+
+        def state() -> dict:
+            # an optimizer before its first step has no state, and torch's get_optimizer_state_dict would make one
+            # with a step of zero gradients (counted by Adam's bias correction): none is sent then
+            optimizer = get_optimizer_state_dict(objs.model, objs.optimizer, options=FULL) if objs.optimizer.state \
+                else {}
+            return {"model": get_model_state_dict(objs.model, options=FULL), "optimizer": optimizer,
+                    "trainer": trainer_state_dict("live", objs, trainer.state), "rng": torch.get_rng_state()}
+
+        def load(healed: dict) -> None:
+            set_model_state_dict(objs.model, healed["model"], options=FULL)
+            if healed["optimizer"]:
+                set_optimizer_state_dict(objs.model, objs.optimizer, healed["optimizer"], options=FULL)
+            restored = restore_trainer_state(healed["trainer"], objs)
+            trainer.state.step, trainer.state.skipped_steps = restored.step, restored.skipped_steps
+            trainer.state.cursor.load(restored.cursor)  # in place: the sampler holds this cursor
+            torch.set_rng_state(healed["rng"])
+
+        self.manager.register_state_dict_fn("trainer", load, state)
+
+    def step(self, trainer: Trainer, backward: Callable[[torch.Tensor], None]) -> StepResult:
+        """Forward and backward of this group's share of one global batch, its gradients and loss summed across
+        the quorum; returns once a quorum applied the step everywhere. Until then the step is done again, by the
+        next quorum, on the same batch."""
+        while True:
+            self.manager.start_quorum()  # a group that is behind heals here, before its forward
+            rank, count = self.manager.participating_rank(), self.manager.num_participants()
+            cursor = copy.copy(trainer.state.cursor)
+            batch: np.ndarray = trainer.sampler.next_batch()
+            result = trainer.objective_step.forward_backward(trainer.model, batch, backward, share=(rank, count))
+            grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+            works = [self.manager.allreduce(local_tensor(g), reduce_op=ReduceOp.SUM) for g in grads]
+            loss = result.loss.detach().reshape(1).clone()
+            works.append(self.manager.allreduce(loss, reduce_op=ReduceOp.SUM))
+            for work in works:
+                work.wait()
+            if self.manager.should_commit():
+                self.participants.append((rank, count))
+                result.loss = loss.reshape(())
+                return result
+            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.state.cursor.load(cursor)
+
+    def writes(self) -> bool:
+        """Whether this group writes the run's metrics and checkpoints: the group at participating rank 0."""
+        return self.manager.participating_rank() == 0
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor torchft reduces in place: a DTensor's local part, which in a group of one is the whole."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

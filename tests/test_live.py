@@ -1,0 +1,126 @@
+"""raysft.training.live: replica groups of one worker each train the run in a torchft quorum (a real Lighthouse in
+this process, each group a process of its own with a gloo process group of world size 1). One group dies in the
+middle of a step; the other redoes that step alone on the whole global batch and goes on without a restart; a
+replacement heals from it and rejoins. No step is lost or applied twice, and the run is the uninterrupted run's (the
+same samples in every step: only the summation order differs)."""
+
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import STEPS, assert_close_but_for_rare_elements, final_weights, run_config, step_losses
+
+pytest.importorskip("torchft")
+pytestmark = pytest.mark.slow  # three processes that import torch and train
+
+FAULT_STEP = 4  # replica group 1 dies after the quorum of step 5 (4 steps applied)
+
+
+def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
+    """One replica group: a process group of one, the trainer with LiveReplicas, trained to the end; what it did
+    goes to out/replica-<id>-<pid>.json."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from raysft.checkpoint import DirectorySink, existing_checkpoint_names
+    from raysft.launch.prelaunch import with_max_steps
+    from raysft.training.live import LiveReplicas
+    from raysft.training.trainer import WorkerContext, resume_trainer
+
+    torch.set_num_threads(1)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+    class Faulty(LiveReplicas):
+        """Group 1 dies once, just after it joined the quorum of step FAULT_STEP + 1; group 0, alone, waits for the
+        replacement to start before its next step, so that it rejoins before the run ends."""
+
+        def step(self, trainer, backward):
+            start_quorum = self.manager.start_quorum
+
+            def quorum_then_fault():
+                start_quorum()
+                if replica_id == 1 and self.manager.current_step() == FAULT_STEP and not (out / "died").exists():
+                    (out / "died").write_text(str(os.getpid()))
+                    os._exit(1)
+
+            self.manager.start_quorum = quorum_then_fault
+            result = super().step(trainer, backward)
+            if replica_id == 0 and self.participants[-1][1] == 1:
+                deadline = time.monotonic() + 120
+                while not (out / "replacement").exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            return result
+
+    config = with_max_steps(cfg, stores)
+    if (out / "died").exists():
+        (out / "replacement").write_text(str(os.getpid()))
+    live = Faulty(replica_id, lighthouse, torch.device("cpu"), store_addr="localhost", store_port=store.port)
+    sink = DirectorySink(config.run_dir, 0, keep=config.checkpoint.keep,
+                         taken=existing_checkpoint_names(config.run_dir))
+    trainer = resume_trainer(config, stores.train, WorkerContext(0, 1, torch.device("cpu")), sink, live=live)
+    trainer.train()
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    save_file(get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+              out / f"weights-{replica_id}-{os.getpid()}.safetensors")
+    (out / f"replica-{replica_id}-{os.getpid()}.json").write_text(json.dumps(
+        {"step": trainer.state.step, "participants": live.participants}))
+    live.shutdown()
+    dist.destroy_process_group()
+
+
+def test_a_group_lost_mid_step_costs_the_other_no_restart_and_the_run_no_step(tmp_path, uninterrupted):
+    from safetensors.torch import load_file
+    from torchft.coordination import LighthouseServer
+
+    from raysft.launch.prelaunch import prepare_launch
+
+    cfg = run_config(tmp_path, "live", **{"checkpoint.mode": "full"})
+    stores = prepare_launch(cfg, False)
+    out = tmp_path / "out"
+    out.mkdir()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    ctx = mp.get_context("spawn")
+    procs = {i: ctx.Process(target=replica, args=(i, cfg, stores, lighthouse.address(), out)) for i in (0, 1)}
+    try:
+        for p in procs.values():
+            p.start()
+        procs[1].join(timeout=300)
+        assert procs[1].exitcode == 1 and (out / "died").exists(), "group 1 did not die at its step"
+        replacement = ctx.Process(target=replica, args=(1, cfg, stores, lighthouse.address(), out))
+        replacement.start()
+        for p in (procs[0], replacement):
+            p.join(timeout=300)
+            assert p.exitcode == 0, f"a replica group ended with {p.exitcode}"
+    finally:
+        for p in [*procs.values(), *([replacement] if "replacement" in locals() else [])]:
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+    survivor = json.loads((out / f"replica-0-{procs[0].pid}.json").read_text())
+    joined = json.loads((out / f"replica-1-{replacement.pid}.json").read_text())
+    counts = [count for _, count in survivor["participants"]]
+    assert survivor["step"] == joined["step"] == STEPS
+    # every step applied once by the survivor, the one it failed in redone alone, then with the replacement
+    assert len(counts) == STEPS and counts[:FAULT_STEP] == [2] * FAULT_STEP and counts[FAULT_STEP] == 1, counts
+    assert counts[-1] == 2 and len(joined["participants"]) < STEPS - FAULT_STEP, (counts, joined)
+    mine, theirs = (load_file(out / f"weights-{i}-{p.pid}.safetensors") for i, p in ((0, procs[0]), (1, replacement)))
+    assert all(mine[k].equal(theirs[k]) for k in mine), "the rejoined group's weights differ from the survivor's"
+
+    losses, weights = uninterrupted
+    run_losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in run_losses] == list(range(1, STEPS + 1)), "a step logged twice or not at all"
+    side_by_side = "\n".join(f"{a} {b}" for a, b in zip(run_losses, losses, strict=True))
+    for (_, live_loss), (_, loss) in zip(run_losses, losses, strict=True):
+        assert abs(live_loss - loss) <= 1e-4 * abs(loss), side_by_side
+    exported = final_weights(cfg.run_dir, tmp_path / "hf")
+    for key, expected in weights.items():
+        assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
