@@ -121,6 +121,43 @@ def test_a_run_with_dropout_resumes_each_ranks_random_numbers_and_a_swap_of_them
     assert all(a != b for a, b in zip(losses["swapped"][3:], losses["resumed"][3:], strict=True)), losses
 
 
+BASE_SAVES = [{"checkpoint.mode": "full"}, {"checkpoint.mode": "sharded", "checkpoint.async": True}]
+
+
+def launch_with_the_base_saved(ctx, cfg, then_train: bool) -> None:
+    """A launch that saves the base (step 0) before its first step, as `train()` does with eval.at_start (whose
+    generation evaluation of it is left out here), then trains on or stops there."""
+    from raysft.launch.torchrun import prepare_on_rank0, run_trainer
+
+    trainer = run_trainer(cfg, prepare_on_rank0(cfg, False), ctx)
+    trainer.checkpointer.save(trainer.state, {}, urgent=True)
+    if then_train:
+        trainer.train()
+    else:
+        trainer.checkpointer.close(0)
+        trainer.log.close()
+
+
+@pytest.mark.slow  # trains for tens of seconds on 2 cores: make test-fast leaves it out
+@pytest.mark.parametrize("mode", BASE_SAVES,
+                         ids=["full", "sharded-async"])
+def test_saving_the_base_changes_no_training_float_and_a_resume_from_it_is_exact(tmp_path, gloo_pool, uninterrupted,
+                                                                                  mode):
+    """Before the first step the optimizer holds no state, and torch's get_optimizer_state_dict makes one by a step of
+    zero gradients, which Adam counts in its bias correction: the base's checkpoint (eval.at_start) must not leave
+    it to the training, nor to a launch that resumes from that checkpoint."""
+    ref_losses, ref_weights = uninterrupted
+    for name, then_train in (("trained", True), ("resumed", False)):
+        cfg = run_config(tmp_path, name, **mode)
+        gloo_pool.run(launch_with_the_base_saved, cfg, then_train)
+        if not then_train:
+            assert [c.name for c in checkpoint_dirs(cfg.run_dir)] == ["checkpoint_00000000"]
+            gloo_pool.run(launch, cfg)
+        assert step_losses(cfg.run_dir) == ref_losses, name
+        weights = final_weights(cfg.run_dir, tmp_path / f"hf-{name}")
+        assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights), name
+
+
 def swap_rank_rng_states(ckpt: Path) -> None:
     """Ranks 0 and 1's RNG states exchanged in a checkpoint, its manifest made to match (a complete checkpoint)."""
     from safetensors.torch import load_file, save_file

@@ -211,6 +211,8 @@ class Checkpointer:
         else:
             self.log.event("start", world_size=world_size, checkpoint_mode=self.mode)
             return TrainState(step=0, cursor=DataCursor(seed=seed)), None
+        if state.step == 0:  # the base's checkpoint: its optimizer state is that of no step (Checkpointer.save)
+            self.objs.optimizer.state.clear()
         if self.memory is not None:  # the next snapshot's buffer, for the state just restored
             self.memory.prepare()
         return state, held
@@ -254,11 +256,15 @@ class Checkpointer:
         check_finite(self.objs, state.step)  # what is snapshotted now is what every layout writes
         start = time.perf_counter()
         staged = self.sink.stage(state.step)
+        untouched = not self.objs.optimizer.state  # the base (eval.at_start): before the first step
         try:
             pending = start_save(staged, self.mode, self.objs, state, self.cfg.async_save, shared=self.sink.shared)
         except BaseException:
             self.sink.discard(staged) if self.sink.shared else shutil.rmtree(staged, ignore_errors=True)
             raise
+        finally:
+            if untouched:  # torch's get_optimizer_state_dict stepped it once on zero gradients: Adam's bias
+                self.objs.optimizer.state.clear()  # correction would count that step; the save holds its copy
         self.pending = (pending, {**metrics, "step": state.step, "save_blocking_s": time.perf_counter() - start,
                                   "save_started": start})
         if urgent:  # durable and reported before the node or the process goes
