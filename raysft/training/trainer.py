@@ -219,8 +219,8 @@ class Trainer:
         return self._optimizer_step(start, result, reduce_metrics)
 
     def writes(self) -> bool:
-        """Whether this worker's group writes the run's step rows and checkpoints (every group but a live one's
-        writer runs the same steps and saves nothing)."""
+        """Whether this worker writes the run's step rows and checkpoints: always, but in a live quorum only its
+        writer's group does (the other groups run the same steps)."""
         return self.live is None or self.live.writes()
 
     def _optimizer_step(self, start: float, result: StepResult, reduce_metrics: bool) -> dict:
