@@ -40,7 +40,8 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
         """Group 1 dies once, just after it joined the quorum of step FAULT_STEP + 1; group 0, alone, waits for the
         replacement to start before its next step, so that it rejoins before the run ends."""
 
-        def step(self, trainer, backward):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             start_quorum = self.manager.start_quorum
 
             def quorum_then_fault():
@@ -50,6 +51,8 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
                     os._exit(1)
 
             self.manager.start_quorum = quorum_then_fault
+
+        def step(self, trainer, backward):
             result = super().step(trainer, backward)
             if replica_id == 0 and self.participants[-1][1] == 1:
                 deadline = time.monotonic() + 120

@@ -43,7 +43,7 @@ def encode(state: object) -> tuple[str, bytes]:
                 if type(key) not in (str, int):
                     raise TypeError(f"state{path}: a key of type {type(key).__name__}")
             return {"dict": [[key, walk(value, f"{path}[{key!r}]")] for key, value in node.items()]}
-        if isinstance(node, (list, tuple)) and type(node) in (list, tuple):
+        if type(node) in (list, tuple):  # not a namedtuple, whose type a heal does not carry
             return {type(node).__name__: [walk(value, f"{path}[{i}]") for i, value in enumerate(node)]}
         if isinstance(node, SCALARS):
             return {"value": node}

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state, trainer_state_dict
 from raysft.data.dataloader import GlobalBatchSampler
@@ -42,8 +43,6 @@ class Trainer(Protocol):
     objs: TrainingObjects
     state: TrainState
     sampler: GlobalBatchSampler
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
     objective_step: object  # raysft.training.sft.SFTStep: forward_backward(model, batch, backward, share=...)
 
 
@@ -60,7 +59,6 @@ class LiveReplicas:
 
         timeout = timedelta(seconds=timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self.replica_id = replica_id
         self.manager = Manager(pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None,
                                replica_id=f"raysft_{replica_id}", rank=0, world_size=1, store_addr=store_addr,
                                store_port=store_port, lighthouse_addr=lighthouse, use_async_quorum=False,
@@ -100,8 +98,9 @@ class LiveReplicas:
             rank, count = self.manager.participating_rank(), self.manager.num_participants()
             cursor = copy.copy(trainer.state.cursor)
             batch: np.ndarray = trainer.sampler.next_batch()
-            result = trainer.objective_step.forward_backward(trainer.model, batch, backward, share=(rank, count))
-            grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+            model = trainer.objs.model
+            result = trainer.objective_step.forward_backward(model, batch, backward, share=(rank, count))
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
             works = [self.manager.allreduce(local_tensor(g), reduce_op=ReduceOp.SUM) for g in grads]
             loss = result.loss.detach().reshape(1).clone()
             works.append(self.manager.allreduce(loss, reduce_op=ReduceOp.SUM))
@@ -111,7 +110,7 @@ class LiveReplicas:
                 self.participants.append((rank, count))
                 result.loss = loss.reshape(())
                 return result
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.objs.optimizer.zero_grad(set_to_none=True)
             trainer.state.cursor.load(cursor)
 
     def writes(self) -> bool:
@@ -124,4 +123,4 @@ class LiveReplicas:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor torchft reduces in place: a DTensor's local part, which in a group of one is the whole."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
