@@ -7,7 +7,9 @@ same samples in every step: only the summation order differs)."""
 import json
 import multiprocessing as mp
 import os
+import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,20 @@ pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow  # three processes that import torch and train
 
 FAULT_STEP = 4  # replica group 1 dies after the quorum of step 5 (4 steps applied)
+
+
+def wait_for_heartbeats(lighthouse: str, groups: int, timeout_s: float = 120) -> None:
+    """Wait until the Lighthouse hears `groups` groups (its status page counts them): a group that asks for a
+    quorum before it hears the other forms one alone, and the test's steps would not be the ones it checks."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+        heard = re.search(r"\[(\d+) heartbeating\]", status)
+        assert heard, f"the Lighthouse's status page no longer counts heartbeats: {status[:500]}"
+        if int(heard.group(1)) >= groups:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the Lighthouse did not hear {groups} replica groups in {timeout_s} s")
 
 
 def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
@@ -37,8 +53,8 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
     class Faulty(LiveReplicas):
-        """Group 1 dies once, just after it joined the quorum of step FAULT_STEP + 1; group 0, alone, waits for the
-        replacement to start before its next step, so that it rejoins before the run ends."""
+        """Group 1 dies once, just after it joined the quorum of step FAULT_STEP + 1; group 0, alone, waits until
+        the Lighthouse hears the replacement before its next step, so that it rejoins before the run ends."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -55,15 +71,13 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
         def step(self, trainer, backward):
             result = super().step(trainer, backward)
             if replica_id == 0 and self.participants[-1][1] == 1:
-                deadline = time.monotonic() + 120
-                while not (out / "replacement").exists() and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                wait_for_heartbeats(lighthouse, 2)  # the lost group's heartbeat expired before this step's quorum
             return result
 
     config = with_max_steps(cfg, stores)
-    if (out / "died").exists():
-        (out / "replacement").write_text(str(os.getpid()))
     live = Faulty(replica_id, lighthouse, torch.device("cpu"), store_addr="localhost", store_port=store.port)
+    if not (out / "died").exists():
+        wait_for_heartbeats(lighthouse, 2)  # the first quorum has both groups
     sink = DirectorySink(config.run_dir, 0, keep=config.checkpoint.keep,
                          taken=existing_checkpoint_names(config.run_dir))
     trainer = resume_trainer(config, stores.train, WorkerContext(0, 1, torch.device("cpu")), sink, live=live)
