@@ -94,8 +94,8 @@ _last_user: dict[tuple[str, str], pytest.Item] = {}  # (stream, fixture): its la
 # the `cpu` stream: the two streams then take about as long (measured: docs/dev/TESTING.md). A test that takes a Ray
 # cluster fixture in a file not listed fails the collection.
 RAY_FILES = frozenset({"test_checkpoint_ray.py", "test_cli.py", "test_data.py", "test_dpo_path.py",
-                       "test_faults_cluster.py", "test_job_submit.py", "test_multinode.py", "test_signals.py",
-                       "test_storage.py", "test_train_ray.py"})
+                       "test_faults_cluster.py", "test_job_submit.py", "test_live_ray.py", "test_multinode.py",
+                       "test_signals.py", "test_storage.py", "test_train_ray.py"})
 
 
 def _stream(path: str | Path) -> str:
@@ -173,14 +173,15 @@ def ray_head(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def ray_connection(address: str, env_vars: dict[str, str] | None = None):
-    """This process connected to the Ray at address as a job of its own, whose tasks and actors get env_vars;
-    disconnecting ends the job and, with it, every task and actor it started (a detached one of Ray's stays)."""
+def ray_connection(address: str, env_vars: dict[str, str] | None = None, setup_hook: str | None = None):
+    """This process connected to the Ray at address as a job of its own, whose tasks and actors get env_vars (and
+    run setup_hook, Ray's worker_process_setup_hook, when they start); disconnecting ends the job and, with it,
+    every task and actor it started (a detached one of Ray's stays)."""
     import ray
 
     # workers import worker functions from the test modules, so they need tests/ on their path
-    ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}",
-                                                        **(env_vars or {})}})
+    env = {"env_vars": {"PYTHONPATH": f"{REPO / 'tests'}:{REPO}", **(env_vars or {})}}
+    ray.init(address=address, runtime_env={**env, **({"worker_process_setup_hook": setup_hook} if setup_hook else {})})
     try:
         yield
     finally:
@@ -532,3 +533,20 @@ def faulted(gloo_pool, tmp_path_factory):
     from memory_tier_support import faulted_run
 
     return faulted_run(gloo_pool, tmp_path_factory.mktemp("faulted"))
+
+
+def lighthouse_heartbeats(lighthouse: str) -> int:
+    """How many replica groups a torchft Lighthouse hears now (its status page counts them)."""
+    return lighthouse_status(lighthouse)[1]
+
+
+def lighthouse_status(lighthouse: str) -> tuple[int, int]:
+    """A torchft Lighthouse's groups asking for the next quorum, and the groups it hears (its status page)."""
+    import re
+    import urllib.request
+
+    status = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+    asking = re.search(r"\[(\d+)/\d+ participants healthy\]", status)
+    heard = re.search(r"\[(\d+) heartbeating\]", status)
+    assert asking and heard, f"the Lighthouse's status page no longer counts participants: {status[:500]}"
+    return int(asking[1]), int(heard[1])

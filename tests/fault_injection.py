@@ -11,6 +11,9 @@ it. A test arms a fault by writing `<name>.json` into the directory in $RAYSFT_F
   disk_full      {"step": s}    rank 0's write of model.safetensors at step s fails with ENOSPC
   slow_steps     {"seconds": x} every train step takes x seconds longer (armed until removed); the first one
                                 slowed writes `slowed`
+  hold_at_step   {"step": s}    a worker whose state is at step s or later writes `held-<pid>-<step>` (and the live
+                                quorum's Lighthouse address to `lighthouse`) and waits before its next step until the
+                                fault is removed (armed until removed)
 """
 
 from __future__ import annotations
@@ -133,10 +136,17 @@ def _patch_trainer(module) -> None:
     train_step = module.Trainer.train_step
 
     def slow_train_step(self, *args, **kwargs):
+        faults = Path(os.environ[FAULTS_ENV])
         slow = _take("slow_steps", once=False)
         if slow:
-            (Path(os.environ[FAULTS_ENV]) / "slowed").touch()
+            (faults / "slowed").touch()
             time.sleep(slow["seconds"])
+        hold = _take("hold_at_step", once=False)
+        if hold and self.state.step >= hold["step"]:
+            (faults / "lighthouse").write_text(os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+            (faults / f"held-{os.getpid()}-{self.state.step}").touch()
+            while (faults / "hold_at_step.json").exists() and _take("hold_at_step", once=False) == hold:
+                time.sleep(0.05)
         return train_step(self, *args, **kwargs)
 
     module.Trainer.train_step = slow_train_step

@@ -7,13 +7,18 @@ same samples in every step: only the summation order differs)."""
 import json
 import multiprocessing as mp
 import os
-import re
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import STEPS, assert_close_but_for_rare_elements, final_weights, run_config, step_losses
+from conftest import (
+    STEPS,
+    assert_close_but_for_rare_elements,
+    final_weights,
+    lighthouse_heartbeats,
+    run_config,
+    step_losses,
+)
 
 pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow  # three processes that import torch and train
@@ -22,17 +27,13 @@ FAULT_STEP = 4  # replica group 1 dies after the quorum of step 5 (4 steps appli
 
 
 def wait_for_heartbeats(lighthouse: str, groups: int, timeout_s: float = 120) -> None:
-    """Wait until the Lighthouse hears `groups` groups (its status page counts them): a group that asks for a
-    quorum before it hears the other forms one alone, and the test's steps would not be the ones it checks."""
+    """Wait until the Lighthouse hears `groups` groups: a group that asks for a quorum before it hears the other
+    forms one alone (and would end the run before the replacement rejoins)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
-        heard = re.search(r"\[(\d+) heartbeating\]", status)
-        assert heard, f"the Lighthouse's status page no longer counts heartbeats: {status[:500]}"
-        if int(heard.group(1)) >= groups:
-            return
+    while lighthouse_heartbeats(lighthouse) < groups:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Lighthouse did not hear {groups} replica groups in {timeout_s} s")
         time.sleep(0.1)
-    raise TimeoutError(f"the Lighthouse did not hear {groups} replica groups in {timeout_s} s")
 
 
 def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
@@ -75,9 +76,9 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
             return result
 
     config = with_max_steps(cfg, stores)
-    live = Faulty(replica_id, lighthouse, torch.device("cpu"), store_addr="localhost", store_port=store.port)
-    if not (out / "died").exists():
-        wait_for_heartbeats(lighthouse, 2)  # the first quorum has both groups
+    # the first quorum waits until the Lighthouse hears both groups (LiveReplicas, up to join_timeout_s)
+    live = Faulty(replica_id, 2, lighthouse, torch.device("cpu"), store_addr="localhost", store_port=store.port,
+                  join_timeout_s=120)
     sink = DirectorySink(config.run_dir, 0, keep=config.checkpoint.keep,
                          taken=existing_checkpoint_names(config.run_dir))
     trainer = resume_trainer(config, stores.train, WorkerContext(0, 1, torch.device("cpu")), sink, live=live)

@@ -114,7 +114,9 @@ class DirectorySink:
     registers the checkpoints (`on_commit`, Ray). `on_commit(final_dir or None, metrics)` runs on every rank after
     the rename (rank 0 gets the directory), and `on_report(metrics)` for progress without a checkpoint. Rank 0
     clears the staging parts a killed launch left when the sink is made (before any rank stages: the launch's
-    collectives come between).
+    collectives come between). With `single_writer` (live replica groups, each a world of one, any of which may be
+    the writer of a step), none is cleared then, which could be another group's save: a stage clears what a dead
+    writer left under its own name.
     """
 
     shared = True
@@ -122,16 +124,18 @@ class DirectorySink:
     def __init__(self, run_dir: Path, rank: int, keep: int = 0, taken: frozenset[str] = frozenset(),
                  on_commit: Callable[[Path | None, dict], None] | None = None,
                  on_report: Callable[[dict], None] | None = None, keep_best: int = 0,
-                 best: tuple[str, str] = LOWEST_EVAL_LOSS):
+                 best: tuple[str, str] = LOWEST_EVAL_LOSS, single_writer: bool = False):
         self.run_dir, self.rank, self.keep, self.keep_best = Path(run_dir), rank, keep, keep_best
         self.best = best  # keep_best's metric and mode (checkpoint.best_metric)
         self.names = _Names(taken)
-        self.on_commit, self.on_report = on_commit, on_report
-        if rank == 0:
+        self.on_commit, self.on_report, self.single_writer = on_commit, on_report, single_writer
+        if rank == 0 and not single_writer:
             shutil.rmtree(self.run_dir / STAGING_DIR, ignore_errors=True)
 
     def stage(self, step: int) -> Path:
         staged = self.run_dir / STAGING_DIR / self.names.next(step)
+        if self.single_writer:
+            shutil.rmtree(staged, ignore_errors=True)
         staged.mkdir(parents=True, exist_ok=True)
         return staged
 

@@ -58,6 +58,7 @@ def validate(cfg: TrainConfig) -> None:
     _validate_dpo(cfg)
     _validate_fp8(cfg)
     _validate_storage(cfg)
+    _validate_live(cfg)
 
 
 def check_train(t: TrainLoopConfig) -> None:
@@ -337,3 +338,35 @@ def _validate_lora(lora: LoraConfig) -> None:
 
     _require(importlib.util.find_spec("peft") is not None, "model.lora",
              "LoRA needs peft, which is not installed: pip install 'raysft[lora]' (or set model.lora.r: 0)")
+
+
+def _validate_live(cfg: TrainConfig) -> None:
+    """Live fault tolerance: replica groups of one worker each, which hold the whole model, train one quorum's
+    steps and register checkpoints only when every group is present; what needs more of Ray is refused."""
+    v = cfg.live
+    _require(v.heartbeat_timeout_ms > 0, "live.heartbeat_timeout_ms", f"must be > 0, got {v.heartbeat_timeout_ms}")
+    _require(v.join_timeout_ms >= 0, "live.join_timeout_ms", f"must be >= 0, got {v.join_timeout_ms}")
+    _require(math.isfinite(v.timeout_s) and v.timeout_s > 0, "live.timeout_s",
+             f"must be a finite number of seconds > 0, got {v.timeout_s}")
+    if not v.enabled:
+        return
+    refusals = (
+        ("scaling.num_workers", cfg.scaling.num_workers >= 2, "live.enabled needs at least 2 workers (replica groups)"),
+        ("scaling.min_workers", not cfg.scaling.min_workers,
+         "live.enabled keeps the width: Ray replaces a lost worker rather than resizing (set 0)"),
+        ("parallel.sharding", cfg.parallel.sharding != "HYBRID_SHARD",
+         "live.enabled makes every worker a replica group of one: there are no nodes to shard within"),
+        ("parallel.sequence_parallel", cfg.parallel.sequence_parallel == 1,
+         "live.enabled makes every worker a replica group of one: set 1"),
+        ("train.objective", cfg.train.objective == "sft", "live.enabled trains the sft objective only"),
+        ("checkpoint.memory_every_n_steps", not cfg.checkpoint.memory_every_n_steps,
+         "live.enabled heals a replaced worker from a live one, not from the memory tier: set 0"),
+        ("eval.path", not cfg.eval.path,
+         "live.enabled registers checkpoints with Ray only at the end of a launch, so none could be evaluated "
+         "while training: evaluate them afterwards with `raysft eval`"),
+        ("run.storage_path", not is_remote(cfg.run.storage_path),
+         "live.enabled writes checkpoints straight into the run directory: a local or shared (NFS) path"),
+    )
+    for key, ok, why in refusals:
+        _require(ok, key, why)
+

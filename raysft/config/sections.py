@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from raysft.config.gen_eval import GenEvalConfig
+from raysft.config.live import LiveConfig
 from raysft.storage import Location, location, native
 
 BUILTIN = "builtin:"  # prefix of assets shipped inside the package, e.g. "builtin:demo"
@@ -340,6 +341,7 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
     eval: GenEvalConfig = field(default_factory=GenEvalConfig)
+    live: LiveConfig = field(default_factory=LiveConfig)
 
     @property
     def run_dir(self) -> Path | Location:
@@ -365,7 +367,8 @@ def reference_markdown() -> str:
     import sys
 
     docs = {}
-    modules = (sys.modules[__name__], sys.modules[GenEvalConfig.__module__])  # sections in modules of their own
+    own_modules = (sys.modules[c.__module__] for c in (GenEvalConfig, LiveConfig))  # sections of their own
+    modules = (sys.modules[__name__], *own_modules)
     for node in (n for m in modules for n in ast.walk(ast.parse(inspect.getsource(m)))):
         if isinstance(node, ast.ClassDef):
             for stmt, after in zip(node.body, node.body[1:], strict=False):

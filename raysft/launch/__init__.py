@@ -5,6 +5,7 @@ Modules, by role:
   prelaunch   on the driver before any worker: the stores, the checks every worker would fail, the run claimed
   ray_driver  the Ray edge on the driver: a Ray to join or start, TorchTrainer, the stop flag (`raysft.train`)
   ray_worker  the Ray edge on the workers: Ray's context, reports, checkpoints, preemption notices
+  ray_live    the Ray edge of live fault tolerance: Ray's torchft backend on the driver, a replica group per worker
   ray_train   Ray Train imported in one place, after the installed Ray's version is checked (RAY_FLOOR)
   ray_controller  what Ray Train's controller imports of raysft (kept light): the callback that ends a run on a
               recorded error, the validation function's entry

@@ -36,6 +36,7 @@ from raysft.launch.ray_controller import (
     recorded_run_ending,
     validate_checkpoint,
 )
+from raysft.launch.ray_live import live_torch_config
 from raysft.launch.ray_train import (
     CheckpointConfig,
     ControllerError,
@@ -90,6 +91,8 @@ def train(config: TrainConfig, fresh: bool = False) -> Result:
 
 
 def _fit(config: TrainConfig, stores: Stores) -> Result:
+    if config.live.enabled:  # torchft's Rust side logs every quorum at INFO: a local Ray's Lighthouse inherits this
+        os.environ.setdefault("RUST_LOG", "warn")
     own_local_ray = connect_ray(config.scaling, config.eval.num_cpus if config.eval.path else 0.0)
     check_cluster_can_place(config.scaling)
     check_cluster_can_evaluate(config)
@@ -98,13 +101,13 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
     root = location(config.run.storage_path)
     remote = root.fs if root.local is None else None  # Ray's and the workers' filesystem: the driver's
     stop_flag = StopFlag.remote()
+    backend = process_group_backend("cuda" if s.use_gpu else "cpu", config.parallel.cpu_offload)
     trainer = TorchTrainer(
         train_loop_per_worker=train_worker,
         train_loop_config={"config": config.to_dict(), "store": str(stores.train),
                            "eval_store": str(stores.eval) if stores.eval else None, "filesystem": remote,
                            "filesystem_path": root.path, "stop_flag": stop_flag},
-        torch_config=TorchConfig(backend=process_group_backend("cuda" if s.use_gpu else "cpu",
-                                                               config.parallel.cpu_offload)),
+        torch_config=(live_torch_config if config.live.enabled else torch_config)(config, backend),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
                                      use_gpu=s.use_gpu, resources_per_worker=worker_resources(s),
                                      elastic_resize_monitor_interval_s=s.resize_interval_s),
@@ -149,6 +152,11 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         run_id = remove_snapshots(config.run_dir, config.checkpoint)
         if run_id is not None and own_local_ray is None:
             remove_snapshots_on_other_nodes(config.checkpoint.memory_dir, run_id)
+
+
+def torch_config(config: TrainConfig, backend: str) -> TorchConfig:
+    """Every worker in one process group of `backend` (live.enabled: ray_live.live_torch_config)."""
+    return TorchConfig(backend=backend)
 
 
 def remove_snapshots_on_other_nodes(memory_dir: str, run_id: str, timeout_s: float = 30.0) -> None:

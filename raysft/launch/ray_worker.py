@@ -35,6 +35,7 @@ from raysft.distributed.collectives import from_rank0
 from raysft.errors import ends_the_run
 from raysft.launch.paths import check_worker_paths
 from raysft.launch.ray_controller import RAY_GRACE_S, RECORDED, record_run_ending, request_evaluation
+from raysft.launch.ray_live import train_live
 from raysft.launch.ray_train import Checkpoint, CheckpointUploadMode
 from raysft.storage import Location, location, use_filesystem
 from raysft.training.trainer import Trainer, WorkerContext, resume_trainer
@@ -53,6 +54,10 @@ def train_worker(loop_config: dict) -> None:
         eval_store = Path(eval_store) if eval_store else None
         check_worker_paths(cfg, [s for s in (store, eval_store) if s],
                            f"node {ray.util.get_node_ip_address()} (rank {worker.rank})")
+        if cfg.live.enabled:  # a replica group of one (every group asks for the driver's stop: it is the quorum's)
+            newest = train_live(cfg, store, stop_requested(loop_config["stop_flag"], 0))
+            register_lost_checkpoints(cfg, newest, worker.rank)  # every group is here: the run's last quorum held all
+            return
         trainer = _build_trainer(cfg, store, worker, eval_store, stop_requested(loop_config["stop_flag"], worker.rank))
         register_lost_checkpoints(cfg, trainer.resume_dir, worker.rank)
         trainer.train()

@@ -155,6 +155,9 @@ def launch(ctx: WorkerContext, config: TrainConfig, fresh: bool = False,
     the end or until `stop_requested` holds on some rank (then at a checkpointed step). A relative path in the config
     means what it means in the directory torchrun runs in, as under Ray (raysft.launch.paths). What `train`
     returns."""
+    if config.live.enabled:
+        raise ConfigError("config key 'live.enabled': live fault tolerance needs Ray, which replaces a lost worker "
+                          "alone and runs the quorum's Lighthouse: launch with `raysft train`, or set it false")
     config = resolve_paths(config)
     lease = RunLease(config.run_dir) if ctx.rank == 0 else None  # one launch of a run at a time, as under Ray
     stores = prepare_on_rank0(config, fresh, lease)

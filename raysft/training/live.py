@@ -14,6 +14,12 @@ heals (`attach`)."""
 from __future__ import annotations
 
 import copy
+import logging
+import math
+import os
+import re
+import time
+import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Protocol
@@ -35,6 +41,8 @@ from raysft.data.dataloader import GlobalBatchSampler
 from raysft.training.metrics import StepResult
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+STOP_POLL_S = 1.0  # how often a group asks whether the run was asked to stop (Ray: an actor call)
+ENDING_POLL_S = 0.2  # the pause between ending rounds while a group is missing
 
 
 class Trainer(Protocol):
@@ -47,12 +55,16 @@ class Trainer(Protocol):
 
 
 class LiveReplicas:
-    """torchft's Manager for this replica group (`replica_id`), with the Lighthouse at `lighthouse` and the group's
-    store at store_addr:store_port (Ray's TorchftConfig sets MASTER_ADDR and MASTER_PORT per group; None reads
-    them)."""
+    """torchft's Manager for this replica group (`replica_id`, one of `groups`), with the Lighthouse at `lighthouse`
+    and the group's store at store_addr:store_port (Ray's TorchftConfig sets MASTER_ADDR and MASTER_PORT per group;
+    None reads them). `stop_requested` is asked at most every STOP_POLL_S; its answer is the quorum's (any group's
+    request ends the run there, for every group at the same step)."""
 
-    def __init__(self, replica_id: int, lighthouse: str, device: torch.device, timeout_s: float = 30.0,
-                 store_addr: str | None = None, store_port: int | None = None):
+    def __init__(self, replica_id: int, groups: int, lighthouse: str, device: torch.device, timeout_s: float = 30.0,
+                 store_addr: str | None = None, store_port: int | None = None,
+                 stop_requested: Callable[[], bool] = lambda: False, join_timeout_s: float = 10.0):
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # and its Python side every commit
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         from raysft.distributed.heal_transport import SafeHTTPTransport
@@ -63,7 +75,12 @@ class LiveReplicas:
                                replica_id=f"raysft_{replica_id}", rank=0, world_size=1, store_addr=store_addr,
                                store_port=store_port, lighthouse_addr=lighthouse, use_async_quorum=False,
                                timeout=timeout, quorum_timeout=timeout, checkpoint_transport=SafeHTTPTransport(timeout))
+        self.replica_id, self.groups, self.device = replica_id, groups, device
+        self.lighthouse, self.join_timeout_s = lighthouse, join_timeout_s
+        self.members: list[int] = []  # the groups of the current round's quorum
         self.participants: list[tuple[int, int]] = []  # each applied step's (participating rank, participants)
+        self.ending = False  # once a quorum agreed to end the run: every later round is an ending one
+        self._stop_requested, self._stop_asked = stop_requested, -math.inf
 
     def attach(self, trainer: Trainer) -> None:
         """Register the trainer's whole state for heals: weights, optimizer, the trainer state a checkpoint holds
@@ -89,12 +106,19 @@ class LiveReplicas:
 
         self.manager.register_state_dict_fn("trainer", load, state)
 
-    def step(self, trainer: Trainer, backward: Callable[[torch.Tensor], None]) -> StepResult:
+    def step(self, trainer: Trainer, backward: Callable[[torch.Tensor], None]) -> StepResult | None:
         """Forward and backward of this group's share of one global batch, its gradients and loss summed across
         the quorum; returns once a quorum applied the step everywhere. Until then the step is done again, by the
-        next quorum, on the same batch."""
+        next quorum, on the same batch. None: the run ends at this step (a stop request, or another group at its
+        end), once every group is in the quorum (`finish`)."""
+        if not self.participants:
+            self._hear_every_group()
         while True:
             self.manager.start_quorum()  # a group that is behind heals here, before its forward
+            if self._votes_to_end():
+                if self._ended():
+                    return None
+                continue
             rank, count = self.manager.participating_rank(), self.manager.num_participants()
             cursor = copy.copy(trainer.state.cursor)
             batch: np.ndarray = trainer.sampler.next_batch()
@@ -109,9 +133,60 @@ class LiveReplicas:
             if self.manager.should_commit():
                 self.participants.append((rank, count))
                 result.loss = loss.reshape(())
+                result.host["live_groups"] = self.members  # the groups of this step, in its metrics row
                 return result
             trainer.objs.optimizer.zero_grad(set_to_none=True)
             trainer.state.cursor.load(cursor)
+
+    def finish(self) -> None:
+        """This group is at the end of the run (or of the launch): ending rounds until one holds every group, each
+        at this step (a replacement heals to it in the round), so that none is left behind to heal from nobody and
+        every group reaches what follows (Ray's registration, a barrier of all workers) together."""
+        self.ending = True
+        while True:
+            self.manager.start_quorum()
+            self._votes_to_end()
+            if self._ended():
+                return
+
+    def _hear_every_group(self) -> None:
+        """Before this group's first quorum: wait, up to the Lighthouse's join timeout, until the Lighthouse hears
+        every group, which at a launch start at different times. A quorum asked for sooner forms without the groups
+        not heard yet (correct, they heal into the next, but their first steps are the others' alone). A replacement
+        finds the live groups heard at once. The count is read from the Lighthouse's status page; a page that no
+        longer gives it is not waited on."""
+        deadline = time.monotonic() + self.join_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.lighthouse}/status", timeout=5) as page:
+                    heard = re.search(r"\[(\d+) heartbeating\]", page.read().decode())
+            except OSError:
+                return
+            if heard is None or int(heard[1]) >= self.groups:
+                return
+            time.sleep(0.05)
+
+    def _votes_to_end(self) -> bool:
+        """Collective over the quorum, after start_quorum: whether any group ends the run in this round (it was
+        asked to stop, or it is at its end). A failed all-reduce leaves this group's own vote: the round is then
+        not committed either way, and the next one decides."""
+        if not self.ending and time.monotonic() - self._stop_asked >= STOP_POLL_S:
+            self._stop_asked = time.monotonic()
+            self.ending = self._stop_requested()
+        votes = torch.zeros(1 + self.groups, device=self.device)  # [groups ending, then one slot per group]
+        votes[0], votes[1 + self.replica_id] = float(self.ending), 1.0
+        self.manager.allreduce(votes, reduce_op=ReduceOp.SUM).wait()
+        self.ending = bool(votes[0].item() > 0)
+        self.members = [i for i, present in enumerate(votes[1:].tolist()) if present > 0]
+        return self.ending
+
+    def _ended(self) -> bool:
+        """Commit this ending round: whether it held every group; if not, a short pause before the next (the
+        missing group is being replaced: seconds)."""
+        if self.manager.should_commit() and self.manager.num_participants() == self.groups:
+            return True
+        time.sleep(ENDING_POLL_S)
+        return False
 
     def writes(self) -> bool:
         """Whether this group writes the run's metrics and checkpoints: the group at participating rank 0."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, find_resume_dir
+from raysft.checkpoint import Checkpointer, Sink, TrainingObjects, checkpoint_name, find_resume_dir
 from raysft.checkpoint.checkpointer import open_memory_tier
 from raysft.config import TrainConfig
 from raysft.data.dataloader import GlobalBatchSampler
@@ -167,7 +167,9 @@ class Trainer:
             self.checkpointer.save(self.state, {})
         while self.state.step < stop:
             step_start = time.perf_counter()
-            self.train_step(reduce_metrics=False)
+            if self.train_step(reduce_metrics=False) is None:  # a live quorum ended the run at this step
+                self._end_with_the_quorum(stop)
+                break
             step = self.state.step
             if self.guard.diverged:  # every rank at once: log what led here, commit a save still being written
                 self.reduce_metrics()
@@ -195,6 +197,8 @@ class Trainer:
             if self.gen_log is not None:
                 self.gen_log.poll()
         self.checkpointer.close(self.state.step)
+        if self.live is not None and not self.live.ending:  # every group leaves together, none left to heal alone
+            self.live.finish()
         if self.state.step < t.max_steps and not self.stopped:
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
@@ -203,10 +207,11 @@ class Trainer:
         self.log.close()
         return {**metrics, "step": self.state.step}
 
-    def train_step(self, reduce_metrics: bool = True) -> dict:
+    def train_step(self, reduce_metrics: bool = True) -> dict | None:
         """One optimizer step over one global batch: the objective's forward/backward per micro-batch, clip, step
         unless the step guard skips it on every rank (raysft.training.step_guard: its decision is the step's one
-        wait for the device); the metrics are kept until `reduce_metrics` (now, by default)."""
+        wait for the device); the metrics are kept until `reduce_metrics` (now, by default). None: no step, a live
+        quorum ended the run here."""
         start = time.time()
 
         def backward(loss: torch.Tensor) -> None:
@@ -214,9 +219,22 @@ class Trainer:
 
         if self.live is not None:  # the quorum's step: this group's share, the gradients summed across the groups
             result = self.live.step(self, backward)
+            if result is None:
+                return None
         else:
             result = self.objective_step.forward_backward(self.model, self.sampler.next_batch(), backward)
         return self._optimizer_step(start, result, reduce_metrics)
+
+    def _end_with_the_quorum(self, stop: int) -> None:
+        """A live quorum ended the run at this step, every group with it: at the launch's end (this group was
+        healed to it), or on a stop request, whose step the writer saves unless a group saved it already."""
+        if self.state.step >= stop:
+            return
+        self.stopped = True
+        metrics = self.reduce_metrics()
+        if self.writes() and not (Path(self.cfg.run_dir) / checkpoint_name(self.state.step)).exists():
+            self.checkpointer.save(self.state, metrics, urgent=True)
+        self.log.event("stopped", step=self.state.step, reason="SIGTERM", hint="launch again to continue")
 
     def writes(self) -> bool:
         """Whether this worker writes the run's step rows and checkpoints: always, but in a live quorum only its
