@@ -4,10 +4,12 @@ live peer as safetensors and JSON, never unpickling what the peer sent. Real tor
 
 import json
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch
+from conftest import lighthouse_status
 
 torchft = pytest.importorskip("torchft")
 from raysft.distributed.heal_transport import SafeHTTPTransport, decode, encode  # noqa: E402
@@ -135,6 +137,11 @@ def test_a_replica_group_that_joins_late_heals_from_the_live_one_through_torchft
                         optimizer.step()
                     if rid == 0 and manager.current_step() == 3:
                         group0_trained.set()
+                        # until group 1 asks for a quorum: the Lighthouse would otherwise reform group 0's quorum
+                        # of one at once (its fast path) for as long as group 1 has not asked
+                        deadline = time.monotonic() + 60
+                        while lighthouse_status(lighthouse.address())[0] < 1 and time.monotonic() < deadline:
+                            time.sleep(0.05)
                 results[rid] = manager.current_step(), {k: v.clone() for k, v in model.state_dict().items()}, \
                     optimizer.state_dict()["state"][0]["exp_avg"].clone()
             finally:
