@@ -18,6 +18,9 @@ fault tests' shortened timings (tests/test_faults_cluster.py), and --faults pick
   node     the last node removed (its raylet and workers killed), a replacement added at once
   elastic  the last node removed for good, scaling.min_workers = workers - workers / N: the run goes on without it;
            then (--return-after K steps later) a node added back: Ray grows the group to every worker again
+  live     live.enabled (each worker a replica group in a torchft quorum): its cost per step against the run
+           without it, and one train worker SIGKILLed: the survivors' seconds to their next step, the replacement's
+           to rejoin, steps lost, each step's loss against the run without it (bench/recovery_live.py)
 With --spoil (the worker fault, the tier on) the resume after the kill also finds rank 0's part of the newest step
 spoiled: a bit flipped in one copy (flip) or both (both), or its copies gone, the last as it is sent (fetch)
 (recovery_cluster.spoil_at_resume): the tier sets the copy aside and reads the other, or the step before.
@@ -73,6 +76,7 @@ from recovery_cluster import (
     steps_of,
     train,
 )
+from recovery_live import live_legs, live_table
 from recovery_report import nodes_report, recovery_row, report
 
 
@@ -106,7 +110,7 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
     tier_sets = [f"checkpoint.memory_every_n_steps={args.memory_every}", f"checkpoint.memory_dir={memory_dir}"]
     faults = [fault for fault in args.faults.split(",") if fault]  # none: the cost and verification only
     results = []
-    if args.cost or set(faults) - {"elastic"}:
+    if args.cost or set(faults) - {"elastic", "live"}:
         plain = setup.config(*base, f"run.name={label}-uninterrupted")
         train(cluster, plain)
         reference = (final_losses(plain.run_dir), final_weights(plain))
@@ -116,6 +120,9 @@ def layout_legs(args: argparse.Namespace, setup: Setup, cluster: Cluster, memory
     widths_runs = {}
     stages = Path(os.environ[STAGES_ENV])
     for fault in faults:
+        if fault == "live":
+            results += live_legs(args, setup, cluster, base, label, at_step)
+            continue
         # elastic: a global batch that every worker count from min_workers up divides; Ray looks for room to grow
         # back every 2 s
         extra = [f"scaling.min_workers={args.workers - args.workers // args.nodes}", "train.micro_batch_size=1",
@@ -283,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-every", type=int, default=1, help="checkpoint.memory_every_n_steps when on")
     parser.add_argument("--return-after", type=int, default=3, help="the elastic fault: a node added back once the "
                         "run has trained this many steps on the workers left (0: it never returns)")
+    parser.add_argument("--live-steps", type=int, default=80, help="the live fault's runs: train.max_steps (room "
+                        "for the replacement to rejoin before the end)")
     parser.add_argument("--out", default="runs/bench/recovery.json")
     parser.add_argument("--driver", metavar="RESULTS", help=argparse.SUPPRESS)  # inside node 0: results here
     args = parser.parse_args(argv)
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.verify_gib:
                 results.append(verify_leg(args, setup, cluster))
                 print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
-            table = nodes_report(results, args, setup.params)
+            table = "\n".join([nodes_report(results, args, setup.params), *live_table(results, args)])
         else:
             results = local_legs(args, setup, cluster)
             table = report(results, args, setup.params)

@@ -72,10 +72,10 @@ def nodes_report(results: list[dict], args: argparse.Namespace, params: int) -> 
              "when on", "", "| layout | fault | tier | resumed from (tier) | steps lost | fault to next step (s) "
              "| bit-exact |", "|---|---|---|---|---:|---:|---|"]
     for r in results:
-        if "refused" in r:
+        if "refused" in r and not r.get("live"):
             lines.append(f"| {r['sharding']} | {r['fault']} | — | not run: the layout left after the fault is "
                          f"refused by the config ({r['refused']}) | | | |")
-        elif "fault" in r:
+        elif "fault" in r and not r.get("live"):  # live rows: recovery_live.live_table
             refused = f"; refused: {r['memory_tier_not_used'][0]}" if r["memory_tier_not_used"] else ""
             refused += "".join(f"; set aside: {reason}" for reason in r.get("set_aside", []))
             lines.append(f"| {r['sharding']} | {r['fault']} | {'on' if r['tier_on'] else 'off'} | "

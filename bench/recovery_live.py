@@ -1,0 +1,102 @@
+"""bench/recovery.py's live legs (--faults live): live fault tolerance (live.enabled) beside the cold restart and
+the memory tier, on the same cluster and model.
+
+- cost: an uninterrupted run with live.enabled against one without it (each worker holds the whole model in one,
+  shards it in the other), --live-steps steps each: the median step time of each and their ratio;
+- the fault, --repeats times: one train worker SIGKILLed once step --fault-at is logged. From metrics.jsonl, whose
+  step rows name the groups that took each step (live_groups):
+    survivors' next step  the fault to the end of the first step after it (the step it came in, redone by the
+                          groups left, on the whole global batch)
+    rejoin                the fault to the end of the first step that every group took again (Ray's replacement of
+                          the one group, its start, its heal from a live group)
+    steps lost            steps applied before the fault and trained again (every step is logged once when none)
+    samples per step      each step's loss against the uninterrupted run without live.enabled: the same samples
+                          give the same loss but for float summation order (the largest relative difference)
+    weights               the final checkpoint's largest difference from that run's
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from recovery_cluster import final_losses, final_weights, median_step_s, steps_of, train
+
+
+def live_legs(args: argparse.Namespace, setup, cluster, base: list[str], label: str, at_step: int) -> list[dict]:
+    from raysft.errors import ConfigError
+
+    steps = max(args.live_steps, at_step + 2)
+    base = [*base, f"train.max_steps={steps}"]
+    live = [*base, "live.enabled=true"]
+    try:
+        cfg = setup.config(*live, f"run.name={label}-live-uninterrupted")
+    except ConfigError as e:
+        return [{"variant": f"{label} live", "live": True, "fault": "live", "refused": str(e)}]
+    plain = setup.config(*base, f"run.name={label}-live-reference")
+    train(cluster, plain)
+    train(cluster, cfg)
+    reference = (final_losses(plain.run_dir), final_weights(plain))
+    results = [{"variant": f"{label} live cost", "live": True, "steps": steps, "step_s_off": median_step_s(plain),
+                "step_s_live": median_step_s(cfg), "losses": loss_difference(cfg, reference[0]),
+                "weights_max_abs_diff": weights_difference(cfg, reference[1])}]
+    print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+    for repeat in range(args.repeats):
+        cfg = setup.config(*live, f"run.name={label}-live-{repeat}")
+        fault_time, _ = train(cluster, cfg, "worker", at_step)
+        results.append({"variant": f"{label} live worker", "live": True, "fault": "worker", "steps": steps,
+                        **live_row(cfg, fault_time, args.workers, reference)})
+        print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
+    return results
+
+
+def live_row(cfg, fault_time: float, workers: int, reference: tuple[dict, dict]) -> dict:
+    rows = sorted(steps_of(cfg.run_dir), key=lambda m: m["time"])
+    after = [m for m in rows if m["time"] >= fault_time]
+    every = list(range(workers))
+    rejoined = next((m for m in after[1:] if m["live_groups"] == every), None)
+    steps = [m["step"] for m in rows]
+    return {"fault_after_step": after[0]["step"] - 1, "survivors_next_step_s": round(after[0]["time"] - fault_time, 2),
+            "survivors_next_step_groups": after[0]["live_groups"],
+            "rejoin_s": round(rejoined["time"] - fault_time, 2) if rejoined else None,
+            "rejoined_at_step": rejoined["step"] if rejoined else None,
+            "steps_alone": sum(1 for m in after if m["live_groups"] != every),
+            "steps_lost": len(steps) - len(set(steps)), "steps_missing": cfg.train.max_steps - len(set(steps)),
+            "losses": loss_difference(cfg, reference[0]), "weights_max_abs_diff": weights_difference(cfg, reference[1])}
+
+
+def loss_difference(cfg, reference: dict[int, float]) -> float:
+    """The largest relative difference of a step's loss from the reference run's."""
+    losses = final_losses(cfg.run_dir)
+    assert losses.keys() == reference.keys(), (sorted(losses), sorted(reference))
+    return max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in losses)
+
+
+def weights_difference(cfg, reference: dict) -> float:
+    mine = final_weights(cfg)
+    return max(float((mine[k].double() - reference[k].double()).abs().max()) for k in reference)
+
+
+def live_table(results: list[dict], args: argparse.Namespace) -> list[str]:
+    rows = [r for r in results if r.get("live")]
+    if not rows:
+        return []
+    lines = ["", f"live fault tolerance (live.enabled), {rows[0].get('steps')} steps, one train worker SIGKILLed "
+                 f"after step {args.fault_at or args.every + 2}:", "",
+             "| survivors' next step (s) | groups | rejoin (s) | at step | steps alone | steps lost | max relative "
+             "loss difference | max weight difference |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| not run: {r['refused']} | | | | | | | |")
+        elif r.get("fault"):
+            lines.append(f"| {r['survivors_next_step_s']} | {r['survivors_next_step_groups']} | {r['rejoin_s']} | "
+                         f"{r['rejoined_at_step']} | {r['steps_alone']} | {r['steps_lost']} | {r['losses']:.2e} | "
+                         f"{r['weights_max_abs_diff']:.2e} |")
+    for r in rows:
+        if "step_s_live" in r:
+            lines += ["", f"cost: median step {r['step_s_off']:.3f} s without live.enabled (the model sharded over "
+                          f"the workers), {r['step_s_live']:.3f} s with it (each worker the whole model, gradients "
+                          f"all-reduced by torchft) ({r['step_s_live'] / r['step_s_off'] - 1:+.1%}); uninterrupted, "
+                          f"max relative loss difference {r['losses']:.2e}, max weight difference "
+                          f"{r['weights_max_abs_diff']:.2e}"]
+    return lines
