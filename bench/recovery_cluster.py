@@ -170,8 +170,10 @@ class Cluster:
         from ray.cluster_utils import Cluster as RayCluster
 
         os.environ.update(RAY_TRAIN_ENV)
-        self.nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                                      "_system_config": NODE_DEATH})
+        # the live fault's Lighthouse runs on the head (Ray's torchft backend), which needs a CPU for it
+        head_cpus = 1 if "live" in args.faults.split(",") else 0
+        self.nodes = RayCluster(initialize_head=True, head_node_args={
+            "num_cpus": head_cpus, "include_dashboard": False, "_system_config": NODE_DEATH})
         for _ in range(args.nodes):
             self.add_node()
         ray.init(address=self.nodes.address, log_to_driver=False, runtime_env={

@@ -10,9 +10,13 @@ the memory tier, on the same cluster and model.
     rejoin                the fault to the end of the first step that every group took again (Ray's replacement of
                           the one group, its start, its heal from a live group)
     steps lost            steps applied before the fault and trained again (every step is logged once when none)
-    samples per step      each step's loss against the uninterrupted run without live.enabled: the same samples
-                          give the same loss but for float summation order (the largest relative difference)
+    samples per step      each step's loss against the uninterrupted run with live.enabled: the steps before the
+                          fault equal, the redone step (the whole global batch in one group's backward instead of
+                          halves summed by the all-reduce) and every later one within float summation order
     weights               the final checkpoint's largest difference from that run's
+  and for the cost's uninterrupted runs, each step's loss with live.enabled against the run without it: the first
+  steps agree to float rounding (the same samples, the same math, another summation order), which then compounds
+  over the run's steps like any change of summation order (a different world size, say)
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ def live_legs(args: argparse.Namespace, setup, cluster, base: list[str], label: 
     plain = setup.config(*base, f"run.name={label}-live-reference")
     train(cluster, plain)
     train(cluster, cfg)
-    reference = (final_losses(plain.run_dir), final_weights(plain))
+    off = final_losses(plain.run_dir)
+    reference = (final_losses(cfg.run_dir), final_weights(cfg))  # the faulted runs' uninterrupted twin
     results = [{"variant": f"{label} live cost", "live": True, "steps": steps, "step_s_off": median_step_s(plain),
-                "step_s_live": median_step_s(cfg), "losses": loss_difference(cfg, reference[0]),
-                "weights_max_abs_diff": weights_difference(cfg, reference[1])}]
+                "step_s_live": median_step_s(cfg), "losses_first_10": loss_difference(cfg, off, range(1, 11)),
+                "losses": loss_difference(cfg, off),
+                "weights_max_abs_diff": weights_difference(cfg, final_weights(plain))}]
     print(f"bench: {results[-1]}", file=sys.stderr, flush=True)
     for repeat in range(args.repeats):
         cfg = setup.config(*live, f"run.name={label}-live-{repeat}")
@@ -56,7 +62,12 @@ def live_row(cfg, fault_time: float, workers: int, reference: tuple[dict, dict])
     every = list(range(workers))
     rejoined = next((m for m in after[1:] if m["live_groups"] == every), None)
     steps = [m["step"] for m in rows]
-    return {"fault_after_step": after[0]["step"] - 1, "survivors_next_step_s": round(after[0]["time"] - fault_time, 2),
+    fault_step = after[0]["step"] - 1
+    losses = final_losses(cfg.run_dir)
+    return {"fault_after_step": fault_step,
+            "before_fault_equal": all(losses[s] == reference[0][s] for s in range(1, fault_step + 1)),
+            "redone_step_loss": loss_difference(cfg, reference[0], [fault_step + 1]),
+            "survivors_next_step_s": round(after[0]["time"] - fault_time, 2),
             "survivors_next_step_groups": after[0]["live_groups"],
             "rejoin_s": round(rejoined["time"] - fault_time, 2) if rejoined else None,
             "rejoined_at_step": rejoined["step"] if rejoined else None,
@@ -65,11 +76,11 @@ def live_row(cfg, fault_time: float, workers: int, reference: tuple[dict, dict])
             "losses": loss_difference(cfg, reference[0]), "weights_max_abs_diff": weights_difference(cfg, reference[1])}
 
 
-def loss_difference(cfg, reference: dict[int, float]) -> float:
-    """The largest relative difference of a step's loss from the reference run's."""
+def loss_difference(cfg, reference: dict[int, float], steps=None) -> float:
+    """The largest relative difference of a step's loss (of `steps`, default all) from the reference run's."""
     losses = final_losses(cfg.run_dir)
     assert losses.keys() == reference.keys(), (sorted(losses), sorted(reference))
-    return max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in losses)
+    return max(abs(losses[s] - reference[s]) / abs(reference[s]) for s in (steps or losses))
 
 
 def weights_difference(cfg, reference: dict) -> float:
@@ -83,20 +94,24 @@ def live_table(results: list[dict], args: argparse.Namespace) -> list[str]:
         return []
     lines = ["", f"live fault tolerance (live.enabled), {rows[0].get('steps')} steps, one train worker SIGKILLed "
                  f"after step {args.fault_at or args.every + 2}:", "",
-             "| survivors' next step (s) | groups | rejoin (s) | at step | steps alone | steps lost | max relative "
-             "loss difference | max weight difference |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| survivors' next step (s) | groups | rejoin (s) | at step | steps alone | steps lost | steps before "
+             "the fault equal | redone step's loss | max relative loss difference | max weight difference |",
+             "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| not run: {r['refused']} | | | | | | | |")
+            lines.append(f"| not run: {r['refused']} | | | | | | | | | |")
         elif r.get("fault"):
             lines.append(f"| {r['survivors_next_step_s']} | {r['survivors_next_step_groups']} | {r['rejoin_s']} | "
-                         f"{r['rejoined_at_step']} | {r['steps_alone']} | {r['steps_lost']} | {r['losses']:.2e} | "
-                         f"{r['weights_max_abs_diff']:.2e} |")
+                         f"{r['rejoined_at_step']} | {r['steps_alone']} | {r['steps_lost']} | "
+                         f"{'yes' if r['before_fault_equal'] else 'NO'} | {r['redone_step_loss']:.1e} | "
+                         f"{r['losses']:.1e} | {r['weights_max_abs_diff']:.1e} |")
+    lines += ["", "(losses and weights against the uninterrupted run with live.enabled)"]
     for r in rows:
         if "step_s_live" in r:
             lines += ["", f"cost: median step {r['step_s_off']:.3f} s without live.enabled (the model sharded over "
                           f"the workers), {r['step_s_live']:.3f} s with it (each worker the whole model, gradients "
-                          f"all-reduced by torchft) ({r['step_s_live'] / r['step_s_off'] - 1:+.1%}); uninterrupted, "
-                          f"max relative loss difference {r['losses']:.2e}, max weight difference "
-                          f"{r['weights_max_abs_diff']:.2e}"]
+                          f"all-reduced by torchft) ({r['step_s_live'] / r['step_s_off'] - 1:+.1%}); its losses "
+                          f"against the run without it: steps 1-10 within {r['losses_first_10']:.1e} (relative), all "
+                          f"{r['steps']} within {r['losses']:.1e}; final weights within "
+                          f"{r['weights_max_abs_diff']:.1e}"]
     return lines

@@ -316,6 +316,16 @@ def world_sizes(run_dir: Path) -> list[int]:
         return []
 
 
+def test_live_fault_tolerance_names_a_head_without_a_cpu_for_its_lighthouse(tmp_path, nodes):
+    """Ray's torchft backend pins the Lighthouse to the driver's node, here a head of no CPUs: refused by key before
+    any worker starts, not reported as workers that could not be placed."""
+    pytest.importorskip("torchft")
+    nodes()
+    with pytest.raises(ConfigError, match=r"'live.enabled'.* 0 logical CPUs"):
+        raysft.train(config(tmp_path, "live-head", **{"live.enabled": True}))
+    assert not checkpoint_dirs(tmp_path / "runs" / "live-head")
+
+
 def test_a_busy_cluster_fails_with_a_clear_message_after_bounded_retries(tmp_path, nodes):
     nodes()
 

@@ -75,10 +75,12 @@ def decode(structure: str, blob: bytes) -> object:
 
 class SafeHTTPTransport(CheckpointTransport[dict]):
     """torchft's CheckpointTransport over HTTP: a live replica serves the step it sends (GET
-    /checkpoint/STEP/structure and /checkpoint/STEP/tensors) until `disallow_checkpoint`; a joiner fetches both."""
+    /checkpoint/STEP/structure and /checkpoint/STEP/tensors) until `disallow_checkpoint`; a joiner fetches both.
+    `host`: the name or address the other groups reach this one by (default: this host's name, which some
+    networks do not resolve to the address that reaches it)."""
 
-    def __init__(self, timeout: timedelta):
-        self._timeout = timeout
+    def __init__(self, timeout: timedelta, host: str | None = None):
+        self._timeout, self.host = timeout, host or socket.gethostname()
         self._served: tuple[int, bytes, bytes] | None = None  # step, structure, tensors
         self._ready = threading.Condition()
         transport = self
@@ -116,7 +118,7 @@ class SafeHTTPTransport(CheckpointTransport[dict]):
         return structure if parts[2] == "structure" else tensors
 
     def metadata(self) -> str:
-        return f"http://{socket.gethostname()}:{self._server.server_address[1]}/checkpoint/"
+        return f"http://{self.host}:{self._server.server_address[1]}/checkpoint/"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: timedelta) -> None:
         structure, tensors = encode(state_dict)

@@ -106,7 +106,8 @@ def _fit(config: TrainConfig, stores: Stores) -> Result:
         train_loop_per_worker=train_worker,
         train_loop_config={"config": config.to_dict(), "store": str(stores.train),
                            "eval_store": str(stores.eval) if stores.eval else None, "filesystem": remote,
-                           "filesystem_path": root.path, "stop_flag": stop_flag},
+                           "filesystem_path": root.path, "stop_flag": stop_flag,
+                           "driver_ip": ray.util.get_node_ip_address()},  # where live.enabled's Lighthouse runs
         torch_config=(live_torch_config if config.live.enabled else torch_config)(config, backend),
         scaling_config=ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.min_workers else s.num_workers,
                                      use_gpu=s.use_gpu, resources_per_worker=worker_resources(s),

@@ -15,6 +15,7 @@ quorum held every group (LiveReplicas.finish).
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,20 +43,42 @@ def live_torch_config(config: TrainConfig, backend: str):
                           "'raysft[liveft]'") from e
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
+    check_lighthouse_node()
     v = config.live
     return TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "heartbeat_timeout_ms": v.heartbeat_timeout_ms,
                                             "join_timeout_ms": v.join_timeout_ms}, backend=backend)
 
 
-def train_live(cfg: TrainConfig, store: Path, stop_requested: Callable[[], bool]) -> Path | None:
+def check_lighthouse_node() -> None:
+    """Ray's torchft backend pins the Lighthouse actor to the node of Ray Train's controller, which is the driver's
+    (the head's under `ray job submit`), and an actor needs a logical CPU there to be placed: on a head started with
+    no CPUs (`ray start --head --num-cpus 0`, a common layout) Ray would refuse it after the workers started, and
+    the run would fail as if they could not be placed. Named now instead."""
+    here = ray.get_runtime_context().get_node_id()
+    cpus = next((n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("NodeID") == here), 0.0)
+    if cpus < 1:
+        raise ConfigError("config key 'live.enabled': Ray runs the quorum's Lighthouse on the driver's node (the "
+                          f"head under `ray job submit`), which has {cpus:g} logical CPUs, and it needs one: start "
+                          "that node with --num-cpus 1 or more, or run the driver on a node that has a CPU")
+
+
+def reachable(lighthouse: str, driver_ip: str) -> str:
+    """The Lighthouse's address with the driver's node IP for its host: the Lighthouse names itself by its host's
+    name, which not every network resolves to the address other nodes reach (network namespaces, some clusters
+    without DNS for their nodes); Ray's node IPs are the ones its nodes reach each other by."""
+    parts = urllib.parse.urlsplit(lighthouse)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{driver_ip}:{parts.port}"))
+
+
+def train_live(cfg: TrainConfig, store: Path, stop_requested: Callable[[], bool], driver_ip: str) -> Path | None:
     """This worker's replica group: the trainer in the quorum until the run's last quorum, which holds every group
     (the caller registers the run's checkpoints with Ray then: a barrier of every worker); the run's newest
     complete checkpoint."""
     ctx = ray.train.get_context()
     device = ray.train.torch.get_device()
-    live = LiveReplicas(ctx.get_world_rank(), ctx.get_world_size(), os.environ[LIGHTHOUSE_ENV], device,
-                        cfg.live.timeout_s, stop_requested=stop_requested,
-                        join_timeout_s=cfg.live.join_timeout_ms / 1000)
+    live = LiveReplicas(ctx.get_world_rank(), ctx.get_world_size(), reachable(os.environ[LIGHTHOUSE_ENV], driver_ip),
+                        device, cfg.live.timeout_s, stop_requested=stop_requested,
+                        join_timeout_s=cfg.live.join_timeout_ms / 1000, host=ray.util.get_node_ip_address())
     c = cfg.checkpoint
     sink = DirectorySink(cfg.run_dir, 0, keep=c.keep, keep_best=c.keep_best, best=(c.best_metric, best_mode(c)),
                          taken=existing_checkpoint_names(cfg.run_dir), single_writer=True)

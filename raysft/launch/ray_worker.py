@@ -55,7 +55,7 @@ def train_worker(loop_config: dict) -> None:
         check_worker_paths(cfg, [s for s in (store, eval_store) if s],
                            f"node {ray.util.get_node_ip_address()} (rank {worker.rank})")
         if cfg.live.enabled:  # a replica group of one (every group asks for the driver's stop: it is the quorum's)
-            newest = train_live(cfg, store, stop_requested(loop_config["stop_flag"], 0))
+            newest = train_live(cfg, store, stop_requested(loop_config["stop_flag"], 0), loop_config["driver_ip"])
             register_lost_checkpoints(cfg, newest, worker.rank)  # every group is here: the run's last quorum held all
             return
         trainer = _build_trainer(cfg, store, worker, eval_store, stop_requested(loop_config["stop_flag"], worker.rank))

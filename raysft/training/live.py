@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -57,12 +58,14 @@ class Trainer(Protocol):
 class LiveReplicas:
     """torchft's Manager for this replica group (`replica_id`, one of `groups`), with the Lighthouse at `lighthouse`
     and the group's store at store_addr:store_port (Ray's TorchftConfig sets MASTER_ADDR and MASTER_PORT per group;
-    None reads them). `stop_requested` is asked at most every STOP_POLL_S; its answer is the quorum's (any group's
-    request ends the run there, for every group at the same step)."""
+    None reads them), advertised to the other groups as `host` (default: this host's name). `stop_requested` is
+    asked at most every STOP_POLL_S; its answer is the quorum's (any group's request ends the run there, for every
+    group at the same step)."""
 
     def __init__(self, replica_id: int, groups: int, lighthouse: str, device: torch.device, timeout_s: float = 30.0,
                  store_addr: str | None = None, store_port: int | None = None,
-                 stop_requested: Callable[[], bool] = lambda: False, join_timeout_s: float = 10.0):
+                 stop_requested: Callable[[], bool] = lambda: False, join_timeout_s: float = 10.0,
+                 host: str | None = None):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
         logging.getLogger("torchft").setLevel(logging.WARNING)  # and its Python side every commit
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -74,7 +77,8 @@ class LiveReplicas:
         self.manager = Manager(pg=pg, min_replica_size=1, load_state_dict=None, state_dict=None,
                                replica_id=f"raysft_{replica_id}", rank=0, world_size=1, store_addr=store_addr,
                                store_port=store_port, lighthouse_addr=lighthouse, use_async_quorum=False,
-                               timeout=timeout, quorum_timeout=timeout, checkpoint_transport=SafeHTTPTransport(timeout))
+                               timeout=timeout, quorum_timeout=timeout, hostname=host or socket.gethostname(),
+                               checkpoint_transport=SafeHTTPTransport(timeout, host))
         self.replica_id, self.groups, self.device = replica_id, groups, device
         self.lighthouse, self.join_timeout_s = lighthouse, join_timeout_s
         self.members: list[int] = []  # the groups of the current round's quorum
