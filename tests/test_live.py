@@ -142,3 +142,68 @@ def test_a_group_lost_mid_step_costs_the_other_no_restart_and_the_run_no_step(tm
     exported = final_weights(cfg.run_dir, tmp_path / "hf")
     for key, expected in weights.items():
         assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
+
+
+def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
+    """A replica group of a run that group 1 is asked to stop once it has applied 5 steps."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from raysft.checkpoint import DirectorySink, existing_checkpoint_names
+    from raysft.launch.prelaunch import with_max_steps
+    from raysft.training.live import LiveReplicas
+    from raysft.training.trainer import WorkerContext, resume_trainer
+
+    torch.set_num_threads(1)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    config = with_max_steps(cfg, stores)
+    held: dict = {}
+    live = LiveReplicas(replica_id, 2, lighthouse, torch.device("cpu"), store_addr="localhost", store_port=store.port,
+                        join_timeout_s=120,
+                        stop_requested=lambda: replica_id == 1 and len(held["live"].participants) >= 5)
+    held["live"] = live
+    sink = DirectorySink(config.run_dir, 0, keep=0, taken=existing_checkpoint_names(config.run_dir),
+                         single_writer=True)
+    trainer = resume_trainer(config, stores.train, WorkerContext(0, 1, torch.device("cpu")), sink, live=live)
+    trainer.train()
+    (out / f"stopping-{replica_id}.json").write_text(json.dumps({"step": trainer.state.step,
+                                                                 "stopped": trainer.stopped}))
+    live.shutdown()
+    dist.destroy_process_group()
+
+
+def test_a_stop_asked_of_one_group_ends_every_group_at_the_same_saved_step(tmp_path):
+    from torchft.coordination import LighthouseServer
+
+    from raysft.checkpoint import checkpoint_dirs
+    from raysft.launch.prelaunch import prepare_launch
+    from raysft.training.metrics import read_metrics
+
+    cfg = run_config(tmp_path, "live-stop", **{"checkpoint.mode": "full", "checkpoint.every_n_steps": 100,
+                                                 "train.max_steps": 200})
+    stores = prepare_launch(cfg, False)
+    out = tmp_path / "out"
+    out.mkdir()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=stopping_replica, args=(i, cfg, stores, lighthouse.address(), out)) for i in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+            assert p.exitcode == 0, f"a replica group ended with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    ends = [json.loads((out / f"stopping-{i}.json").read_text()) for i in (0, 1)]
+    step = ends[0]["step"]
+    assert ends == [{"step": step, "stopped": True}] * 2 and 5 <= step < 200, ends
+    assert [d.name for d in checkpoint_dirs(cfg.run_dir)] == [f"checkpoint_{step:08d}"]  # the writer saved it, once
+    events = [m for m in read_metrics(cfg.run_dir) if m.get("event") in ("stopped", "stop")]
+    assert [(m["event"], m["step"]) for m in events] == [("stopped", step)], events

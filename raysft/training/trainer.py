@@ -199,7 +199,7 @@ class Trainer:
         self.checkpointer.close(self.state.step)
         if self.live is not None and not self.live.ending:  # every group leaves together, none left to heal alone
             self.live.finish()
-        if self.state.step < t.max_steps and not self.stopped:
+        if self.state.step < t.max_steps and not self.stopped and self.writes():
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
         if self.gen_log is not None:  # what ended by now (under torchrun: every evaluation of this launch)
@@ -232,9 +232,10 @@ class Trainer:
             return
         self.stopped = True
         metrics = self.reduce_metrics()
-        if self.writes() and not (Path(self.cfg.run_dir) / checkpoint_name(self.state.step)).exists():
-            self.checkpointer.save(self.state, metrics, urgent=True)
-        self.log.event("stopped", step=self.state.step, reason="SIGTERM", hint="launch again to continue")
+        if self.writes():
+            if not (Path(self.cfg.run_dir) / checkpoint_name(self.state.step)).exists():
+                self.checkpointer.save(self.state, metrics, urgent=True)
+            self.log.event("stopped", step=self.state.step, reason="SIGTERM", hint="launch again to continue")
 
     def writes(self) -> bool:
         """Whether this worker writes the run's step rows and checkpoints: always, but in a live quorum only its
