@@ -384,13 +384,20 @@ def train_ends_in_one_line(cfg, config_file: Path, code: int, line: str) -> None
     assert lines and re.fullmatch(line, lines[-1]), lines
 
 
-def http_status(url: str, token: str | None = None) -> int:
+def http_status(url: str, token: str | None = None, attempts: int = 3) -> int:
+    """The HTTP status `url` answers with; a request that timed out is asked again (a loaded 2-core machine has
+    kept Ray's dashboard from answering one in 30 s)."""
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:  # straight to 127.0.0.1, whatever http_proxy says
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    for attempt in range(attempts):
+        try:  # straight to 127.0.0.1, whatever http_proxy says
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except TimeoutError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 class GlooPool:

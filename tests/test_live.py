@@ -36,7 +36,7 @@ def wait_for_heartbeats(lighthouse: str, groups: int, timeout_s: float = 120) ->
         time.sleep(0.1)
 
 
-def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
+def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path, fault: str = "mid_step") -> None:
     """One replica group: a process group of one, the trainer with LiveReplicas, trained to the end; what it did
     goes to out/replica-<id>-<pid>.json."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -63,7 +63,8 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
 
             def quorum_then_fault():
                 start_quorum()
-                if replica_id == 1 and self.manager.current_step() == FAULT_STEP and not (out / "died").exists():
+                if fault == "mid_step" and replica_id == 1 and self.manager.current_step() == FAULT_STEP and \
+                        not (out / "died").exists():
                     (out / "died").write_text(str(os.getpid()))
                     os._exit(1)
 
@@ -71,7 +72,11 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
 
         def step(self, trainer, backward):
             result = super().step(trainer, backward)
-            if replica_id == 0 and self.participants[-1][1] == 1:
+            if fault == "writer_after_last" and replica_id == 0 and result is not None and \
+                    trainer.state.step == STEPS - 1 and not (out / "died").exists():
+                (out / "died").write_text(str(os.getpid()))  # the last step committed, not applied, not saved
+                os._exit(1)
+            if fault == "mid_step" and replica_id == 0 and self.participants[-1][1] == 1:
                 wait_for_heartbeats(lighthouse, 2)  # the lost group's heartbeat expired before this step's quorum
             return result
 
@@ -207,3 +212,46 @@ def test_a_stop_asked_of_one_group_ends_every_group_at_the_same_saved_step(tmp_p
     assert [d.name for d in checkpoint_dirs(cfg.run_dir)] == [f"checkpoint_{step:08d}"]  # the writer saved it, once
     events = [m for m in read_metrics(cfg.run_dir) if m.get("event") in ("stopped", "stop")]
     assert [(m["event"], m["step"]) for m in events] == [("stopped", step)], events
+
+
+def test_a_writer_lost_after_the_last_step_leaves_it_saved_by_its_replacement(tmp_path, uninterrupted):
+    """Group 0, the writer, dies once it has the last step's gradients, before it applies or saves the step; group 1
+    applies it and waits at the run's end (not the writer of that step, it saved nothing); the replacement heals to
+    the end and, the writer of the round that holds both, saves the last step."""
+    from safetensors.torch import load_file
+    from torchft.coordination import LighthouseServer
+
+    from raysft.checkpoint import checkpoint_dirs
+    from raysft.launch.prelaunch import prepare_launch
+
+    cfg = run_config(tmp_path, "live-last", **{"checkpoint.mode": "full"})
+    stores = prepare_launch(cfg, False)
+    out = tmp_path / "out"
+    out.mkdir()
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
+    ctx = mp.get_context("spawn")
+    args = (cfg, stores, lighthouse.address(), out, "writer_after_last")
+    procs = [ctx.Process(target=replica, args=(i, *args)) for i in (0, 1)]
+    try:
+        for p in procs:
+            p.start()
+        procs[0].join(timeout=300)
+        assert procs[0].exitcode == 1 and (out / "died").exists(), "group 0 did not die after the last step"
+        procs.append(ctx.Process(target=replica, args=(0, *args)))
+        procs[-1].start()
+        for p in procs[1:]:
+            p.join(timeout=300)
+            assert p.exitcode == 0, f"a replica group ended with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    assert checkpoint_dirs(cfg.run_dir)[-1].name == f"checkpoint_{STEPS:08d}"
+    survivor, joined = (load_file(out / f"weights-{i}-{procs[p].pid}.safetensors") for i, p in ((1, 1), (0, 2)))
+    assert all(survivor[k].equal(joined[k]) for k in survivor), "the replacement's weights differ from the survivor's"
+    _, weights = uninterrupted
+    exported = final_weights(cfg.run_dir, tmp_path / "hf")
+    for key, expected in weights.items():
+        assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
+

@@ -346,8 +346,8 @@ def _validate_live(cfg: TrainConfig) -> None:
     v = cfg.live
     _require(v.heartbeat_timeout_ms > 0, "live.heartbeat_timeout_ms", f"must be > 0, got {v.heartbeat_timeout_ms}")
     _require(v.join_timeout_ms >= 0, "live.join_timeout_ms", f"must be >= 0, got {v.join_timeout_ms}")
-    _require(math.isfinite(v.timeout_s) and v.timeout_s > 0, "live.timeout_s",
-             f"must be a finite number of seconds > 0, got {v.timeout_s}")
+    for key, seconds in (("live.timeout_s", v.timeout_s), ("live.quorum_timeout_s", v.quorum_timeout_s)):
+        _require(math.isfinite(seconds) and seconds > 0, key, f"must be a finite number of seconds > 0, got {seconds}")
     if not v.enabled:
         return
     refusals = (
@@ -366,6 +366,10 @@ def _validate_live(cfg: TrainConfig) -> None:
          "while training: evaluate them afterwards with `raysft eval`"),
         ("run.storage_path", not is_remote(cfg.run.storage_path),
          "live.enabled writes checkpoints straight into the run directory: a local or shared (NFS) path"),
+        ("parallel.cpu_offload", not cfg.parallel.cpu_offload,
+         "live.enabled all-reduces the gradients on the device across the groups: set false"),
+        ("metrics.trackers", not cfg.metrics.trackers,
+         "live.enabled logs to metrics.jsonl only (every group would open a tracker run of its own): set []"),
     )
     for key, ok, why in refusals:
         _require(ok, key, why)

@@ -25,4 +25,8 @@ class LiveConfig:
     """How long a launch's first quorum waits for every worker to be heard, and a quorum for workers that are alive
     but have not asked to join it yet."""
     timeout_s: float = 60.0
-    """How long a worker waits for a quorum, or for a quorum's collective, before it fails (and Ray restarts it)."""
+    """How long a worker waits for a quorum's collective (an all-reduce of the step) before it fails (and Ray
+    replaces it)."""
+    quorum_timeout_s: float = 600.0
+    """How long a worker waits for a quorum before it fails: it covers the writer's save of a checkpoint, a group's
+    slow start, and, if the Lighthouse is gone, how long the workers wait before Ray restarts the run."""

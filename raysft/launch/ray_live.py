@@ -78,7 +78,8 @@ def train_live(cfg: TrainConfig, store: Path, stop_requested: Callable[[], bool]
     device = ray.train.torch.get_device()
     live = LiveReplicas(ctx.get_world_rank(), ctx.get_world_size(), reachable(os.environ[LIGHTHOUSE_ENV], driver_ip),
                         device, cfg.live.timeout_s, stop_requested=stop_requested,
-                        join_timeout_s=cfg.live.join_timeout_ms / 1000, host=ray.util.get_node_ip_address())
+                        join_timeout_s=cfg.live.join_timeout_ms / 1000, host=ray.util.get_node_ip_address(),
+                        quorum_timeout_s=cfg.live.quorum_timeout_s)
     c = cfg.checkpoint
     sink = DirectorySink(cfg.run_dir, 0, keep=c.keep, keep_best=c.keep_best, best=(c.best_metric, best_mode(c)),
                          taken=existing_checkpoint_names(cfg.run_dir), single_writer=True)

@@ -101,6 +101,8 @@ class Trainer:
         self.cfg, self.ctx, self.live = cfg, ctx, live
         self.sink, self.resume_dir = sink, resume_dir
         self.stopped = False  # by a stop request, at self.state.step, with a checkpoint of that step
+        # the launch's last step: train.stop_at_step ends a launch early, the schedule stays max_steps'
+        self.end_step = cfg.train.stop_at_step or cfg.train.max_steps
         t = cfg.train
         # The mesh first: a layout that cannot work fails before anything is built.
         node_ranks, nodes = gather_nodes(ctx.node_rank, ctx.node or socket.gethostname())
@@ -161,7 +163,7 @@ class Trainer:
         t = self.cfg.train
         self.model.train()
         metrics: dict = {}
-        stop = t.stop_at_step or t.max_steps  # stop_at_step ends this launch early; the schedule stays max_steps'
+        stop = self.end_step
         self.checkpointer.start_notice_checks(self.state.step)
         if self.cfg.eval.path and self.cfg.eval.at_start and self.fresh:  # the base, evaluated as every checkpoint
             self.checkpointer.save(self.state, {})
@@ -180,8 +182,9 @@ class Trainer:
             self.stopped = due.stop
             report = bool(t.report_every_n_steps) and step % t.report_every_n_steps == 0
             evaluate = self.evaluator is not None and self.evaluator.due(step, due.scheduled)
-            if due.save or report or evaluate or step % t.log_every_n_steps == 0 or \
-                    self.checkpointer.holds_too_many(step, len(self.totals.rows)):  # the same steps on every rank
+            # the same steps on every rank; in a live quorum every step, by the group that writes it
+            if due.save or report or evaluate or step % t.log_every_n_steps == 0 or self.live is not None or \
+                    self.checkpointer.holds_too_many(step, len(self.totals.rows)):
                 metrics = self.reduce_metrics(evaluate)
             self.state.eval_loss = metrics.get("eval_loss") if evaluate else None
             self.state.eval_metrics = {k: v for k, v in metrics.items() if k.startswith("eval/")} if evaluate else None
@@ -197,8 +200,9 @@ class Trainer:
             if self.gen_log is not None:
                 self.gen_log.poll()
         self.checkpointer.close(self.state.step)
-        if self.live is not None and not self.live.ending:  # every group leaves together, none left to heal alone
-            self.live.finish()
+        if self.live is not None:  # every group leaves together, the last step saved, none left to heal alone
+            self.live.finish(self._saved, lambda: self.checkpointer.save(self.state, self.reduce_metrics(),
+                                                                         urgent=True))
         if self.state.step < t.max_steps and not self.stopped and self.writes():
             self.log.event("stop", step=self.state.step, max_steps=t.max_steps,
                            hint="launch again without train.stop_at_step to continue")
@@ -226,16 +230,16 @@ class Trainer:
         return self._optimizer_step(start, result, reduce_metrics)
 
     def _end_with_the_quorum(self, stop: int) -> None:
-        """A live quorum ended the run at this step, every group with it: at the launch's end (this group was
-        healed to it), or on a stop request, whose step the writer saves unless a group saved it already."""
-        if self.state.step >= stop:
-            return
-        self.stopped = True
-        metrics = self.reduce_metrics()
-        if self.writes():
-            if not (Path(self.cfg.run_dir) / checkpoint_name(self.state.step)).exists():
-                self.checkpointer.save(self.state, metrics, urgent=True)
-            self.log.event("stopped", step=self.state.step, reason="SIGTERM", hint="launch again to continue")
+        """A live quorum ended the run at this step, every group with it: a stop request, unless this group was
+        healed to the launch's end. The step is saved in LiveReplicas.finish."""
+        if self.state.step < stop:
+            self.stopped = True
+            if self.writes():
+                self.log.event("stopped", step=self.state.step, reason="SIGTERM", hint="launch again to continue")
+
+    def _saved(self) -> bool:
+        """Whether the run directory holds a checkpoint of this step (complete: a rename put it there whole)."""
+        return (Path(self.cfg.run_dir) / checkpoint_name(self.state.step)).is_dir()
 
     def writes(self) -> bool:
         """Whether this worker writes the run's step rows and checkpoints: always, but in a live quorum only its
