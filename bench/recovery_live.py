@@ -9,6 +9,8 @@ the memory tier, on the same cluster and model.
                           groups left, on the whole global batch)
     rejoin                the fault to the end of the first step that every group took again (Ray's replacement of
                           the one group, its start, its heal from a live group)
+    heal                  the replacement's first quorum, in which it fetched and loaded the live group's state
+                          (its `healed` event: the wait for the others' next quorum included)
     steps lost            steps applied before the fault and trained again (every step is logged once when none)
     samples per step      each step's loss against the uninterrupted run with live.enabled: the steps before the
                           fault equal, the redone step (the whole global batch in one group's backward instead of
@@ -57,11 +59,14 @@ def live_legs(args: argparse.Namespace, setup, cluster, base: list[str], label: 
 
 
 def live_row(cfg, fault_time: float, workers: int, reference: tuple[dict, dict]) -> dict:
+    from raysft.training.metrics import read_metrics
+
     rows = sorted(steps_of(cfg.run_dir), key=lambda m: m["time"])
     after = [m for m in rows if m["time"] >= fault_time]
     every = list(range(workers))
     rejoined = next((m for m in after[1:] if m["live_groups"] == every), None)
     steps = [m["step"] for m in rows]
+    healed = [m for m in read_metrics(cfg.run_dir) if m.get("event") == "healed" and m["time"] >= fault_time]
     fault_step = after[0]["step"] - 1
     losses = final_losses(cfg.run_dir)
     return {"fault_after_step": fault_step,
@@ -70,6 +75,8 @@ def live_row(cfg, fault_time: float, workers: int, reference: tuple[dict, dict])
             "survivors_next_step_s": round(after[0]["time"] - fault_time, 2),
             "survivors_next_step_groups": after[0]["live_groups"],
             "rejoin_s": round(rejoined["time"] - fault_time, 2) if rejoined else None,
+            "heal_quorum_s": healed[0]["quorum_s"] if healed else None,
+            "healed_after_s": round(healed[0]["time"] - fault_time, 2) if healed else None,
             "rejoined_at_step": rejoined["step"] if rejoined else None,
             "steps_alone": sum(1 for m in after if m["live_groups"] != every),
             "steps_lost": len(steps) - len(set(steps)), "steps_missing": cfg.train.max_steps - len(set(steps)),
@@ -94,14 +101,16 @@ def live_table(results: list[dict], args: argparse.Namespace) -> list[str]:
         return []
     lines = ["", f"live fault tolerance (live.enabled), {rows[0].get('steps')} steps, one train worker SIGKILLed "
                  f"after step {args.fault_at or args.every + 2}:", "",
-             "| survivors' next step (s) | groups | rejoin (s) | at step | steps alone | steps lost | steps before "
-             "the fault equal | redone step's loss | max relative loss difference | max weight difference |",
-             "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+             "| survivors' next step (s) | groups | rejoin (s) | heal (s) | at step | steps alone | steps lost | "
+             "steps before the fault equal | redone step's loss | max relative loss difference | max weight "
+             "difference |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         if "refused" in r:
-            lines.append(f"| not run: {r['refused']} | | | | | | | | | |")
+            lines.append(f"| not run: {r['refused']} | | | | | | | | | | |")
         elif r.get("fault"):
             lines.append(f"| {r['survivors_next_step_s']} | {r['survivors_next_step_groups']} | {r['rejoin_s']} | "
+                         f"{r.get('heal_quorum_s')} | "
                          f"{r['rejoined_at_step']} | {r['steps_alone']} | {r['steps_lost']} | "
                          f"{'yes' if r['before_fault_equal'] else 'NO'} | {r['redone_step_loss']:.1e} | "
                          f"{r['losses']:.1e} | {r['weights_max_abs_diff']:.1e} |")

@@ -71,6 +71,9 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_loses_no_step(tmp_path, f
     assert all(g == [0, 1] for s, g in with_groups if s <= 4 or s > 8), with_groups
     starts = [m for m in read_metrics(cfg.run_dir) if m.get("event") in ("start", "resume")]
     assert len(starts) == 3, f"one start per group, and one for the replacement alone: {starts}"
+    # the replacement resumed from the stored checkpoint of step 6 and healed to the survivor's step 8
+    healed = [(m["from_step"], m["step"]) for m in read_metrics(cfg.run_dir) if m.get("event") == "healed"]
+    assert healed == [(6, 8)], healed
     names = [d.name for d in checkpoint_dirs(cfg.run_dir)]
     assert names == ["checkpoint_00000009", "checkpoint_00000012"], names  # checkpoint.keep, pruned while training
     result = outcome["result"]

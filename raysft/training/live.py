@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from raysft.checkpoint.state import TrainingObjects, TrainState, restore_trainer_state, trainer_state_dict
 from raysft.data.dataloader import GlobalBatchSampler
-from raysft.training.metrics import StepResult
+from raysft.training.metrics import MetricsLogger, StepResult
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 STOP_POLL_S = 1.0  # how often a group asks whether the run was asked to stop (Ray: an actor call)
@@ -55,6 +55,7 @@ class Trainer(Protocol):
     objs: TrainingObjects
     state: TrainState
     end_step: int  # the launch's last step
+    log: MetricsLogger
     sampler: GlobalBatchSampler
     objective_step: object  # raysft.training.sft.SFTStep: forward_backward(model, batch, backward, share=...)
 
@@ -124,7 +125,11 @@ class LiveReplicas:
         if not self.participants:
             self._hear_every_group()
         while True:
+            behind, asked = trainer.state.step, time.perf_counter()
             self.manager.start_quorum()  # a group that is behind heals here, before its forward
+            if trainer.state.step != behind:
+                trainer.log.event("healed", step=trainer.state.step, from_step=behind,
+                                  quorum_s=round(time.perf_counter() - asked, 3))  # the heal and the quorum's wait
             self.ending = self.ending or trainer.state.step >= trainer.end_step  # healed to the end
             ending, _ = self._vote()
             if ending:
