@@ -149,8 +149,8 @@ def test_a_group_lost_mid_step_costs_the_other_no_restart_and_the_run_no_step(tm
         assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
 
 
-def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -> None:
-    """A replica group of a run that group 1 is asked to stop once it has applied 5 steps."""
+def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path, stop_after: int | None = 5) -> None:
+    """A replica group of a run that group 1 is asked to stop once it has applied `stop_after` steps (None: never)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -168,7 +168,8 @@ def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -
     held: dict = {}
     live = LiveReplicas(replica_id, 2, lighthouse, torch.device("cpu"), store_addr="localhost", store_port=store.port,
                         join_timeout_s=120,
-                        stop_requested=lambda: replica_id == 1 and len(held["live"].participants) >= 5)
+                        stop_requested=lambda: replica_id == 1 and stop_after is not None and
+                        len(held["live"].participants) >= stop_after)
     held["live"] = live
     sink = DirectorySink(config.run_dir, 0, keep=0, taken=existing_checkpoint_names(config.run_dir),
                          single_writer=True)
@@ -180,21 +181,13 @@ def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path) -
     dist.destroy_process_group()
 
 
-def test_a_stop_asked_of_one_group_ends_every_group_at_the_same_saved_step(tmp_path):
+def run_groups(target, cfg, stores, out: Path, *args) -> None:
+    """Both replica groups of one launch, each a process running `target`, with a Lighthouse of their own."""
     from torchft.coordination import LighthouseServer
 
-    from raysft.checkpoint import checkpoint_dirs
-    from raysft.launch.prelaunch import prepare_launch
-    from raysft.training.metrics import read_metrics
-
-    cfg = run_config(tmp_path, "live-stop", **{"checkpoint.mode": "full", "checkpoint.every_n_steps": 100,
-                                                 "train.max_steps": 200})
-    stores = prepare_launch(cfg, False)
-    out = tmp_path / "out"
-    out.mkdir()
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=stopping_replica, args=(i, cfg, stores, lighthouse.address(), out)) for i in (0, 1)]
+    procs = [ctx.Process(target=target, args=(i, cfg, stores, lighthouse.address(), out, *args)) for i in (0, 1)]
     try:
         for p in procs:
             p.start()
@@ -206,6 +199,19 @@ def test_a_stop_asked_of_one_group_ends_every_group_at_the_same_saved_step(tmp_p
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
+
+
+def test_a_stop_asked_of_one_group_ends_every_group_at_the_same_saved_step(tmp_path):
+    from raysft.checkpoint import checkpoint_dirs
+    from raysft.launch.prelaunch import prepare_launch
+    from raysft.training.metrics import read_metrics
+
+    cfg = run_config(tmp_path, "live-stop", **{"checkpoint.mode": "full", "checkpoint.every_n_steps": 100,
+                                                 "train.max_steps": 200})
+    stores = prepare_launch(cfg, False)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_groups(stopping_replica, cfg, stores, out)
     ends = [json.loads((out / f"stopping-{i}.json").read_text()) for i in (0, 1)]
     step = ends[0]["step"]
     assert ends == [{"step": step, "stopped": True}] * 2 and 5 <= step < 200, ends
@@ -251,6 +257,30 @@ def test_a_writer_lost_after_the_last_step_leaves_it_saved_by_its_replacement(tm
     survivor, joined = (load_file(out / f"weights-{i}-{procs[p].pid}.safetensors") for i, p in ((1, 1), (0, 2)))
     assert all(survivor[k].equal(joined[k]) for k in survivor), "the replacement's weights differ from the survivor's"
     _, weights = uninterrupted
+    exported = final_weights(cfg.run_dir, tmp_path / "hf")
+    for key, expected in weights.items():
+        assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
+
+
+def test_a_live_run_stopped_and_launched_again_equals_the_uninterrupted_one(tmp_path, uninterrupted):
+    """train.stop_at_step ends the first launch at step 5 (saved, not a checkpoint step), the next goes on from that
+    stored checkpoint: the losses and weights are the uninterrupted run's (to summation order, as above)."""
+    from raysft.launch.prelaunch import prepare_launch
+
+    sets = {"checkpoint.mode": "full"}
+    stores = prepare_launch(run_config(tmp_path, "live-resume", **sets), False)
+    for launch, extra in enumerate(({"train.stop_at_step": 5}, {})):
+        out = tmp_path / f"out-{launch}"
+        out.mkdir()
+        run_groups(stopping_replica, run_config(tmp_path, "live-resume", **sets, **extra), stores, out, None)
+        ends = [json.loads((out / f"stopping-{i}.json").read_text()) for i in (0, 1)]
+        assert ends == [{"step": 5 if extra else STEPS, "stopped": False}] * 2, ends
+    cfg = run_config(tmp_path, "live-resume", **sets)
+    losses, weights = uninterrupted
+    run_losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in run_losses] == list(range(1, STEPS + 1)), run_losses
+    for (_, live_loss), (_, loss) in zip(run_losses, losses, strict=True):
+        assert abs(live_loss - loss) <= 1e-4 * abs(loss), (run_losses, losses)
     exported = final_weights(cfg.run_dir, tmp_path / "hf")
     for key, expected in weights.items():
         assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
