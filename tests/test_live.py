@@ -101,7 +101,6 @@ def replica(replica_id: int, cfg, stores, lighthouse: str, out: Path, fault: str
 
 def test_a_group_lost_mid_step_costs_the_other_no_restart_and_the_run_no_step(tmp_path, uninterrupted):
     from safetensors.torch import load_file
-    from torchft.coordination import LighthouseServer
 
     from raysft.launch.prelaunch import prepare_launch
 
@@ -109,24 +108,8 @@ def test_a_group_lost_mid_step_costs_the_other_no_restart_and_the_run_no_step(tm
     stores = prepare_launch(cfg, False)
     out = tmp_path / "out"
     out.mkdir()
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
-    ctx = mp.get_context("spawn")
-    procs = {i: ctx.Process(target=replica, args=(i, cfg, stores, lighthouse.address(), out)) for i in (0, 1)}
-    try:
-        for p in procs.values():
-            p.start()
-        procs[1].join(timeout=300)
-        assert procs[1].exitcode == 1 and (out / "died").exists(), "group 1 did not die at its step"
-        replacement = ctx.Process(target=replica, args=(1, cfg, stores, lighthouse.address(), out))
-        replacement.start()
-        for p in (procs[0], replacement):
-            p.join(timeout=300)
-            assert p.exitcode == 0, f"a replica group ended with {p.exitcode}"
-    finally:
-        for p in [*procs.values(), *([replacement] if "replacement" in locals() else [])]:
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
+    procs = run_groups(replica, cfg, stores, out, victim=1)
+    replacement = procs[-1]
 
     survivor = json.loads((out / f"replica-0-{procs[0].pid}.json").read_text())
     joined = json.loads((out / f"replica-1-{replacement.pid}.json").read_text())
@@ -138,15 +121,7 @@ def test_a_group_lost_mid_step_costs_the_other_no_restart_and_the_run_no_step(tm
     mine, theirs = (load_file(out / f"weights-{i}-{p.pid}.safetensors") for i, p in ((0, procs[0]), (1, replacement)))
     assert all(mine[k].equal(theirs[k]) for k in mine), "the rejoined group's weights differ from the survivor's"
 
-    losses, weights = uninterrupted
-    run_losses = step_losses(cfg.run_dir)
-    assert [s for s, _ in run_losses] == list(range(1, STEPS + 1)), "a step logged twice or not at all"
-    side_by_side = "\n".join(f"{a} {b}" for a, b in zip(run_losses, losses, strict=True))
-    for (_, live_loss), (_, loss) in zip(run_losses, losses, strict=True):
-        assert abs(live_loss - loss) <= 1e-4 * abs(loss), side_by_side
-    exported = final_weights(cfg.run_dir, tmp_path / "hf")
-    for key, expected in weights.items():
-        assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
+    assert_equals_uninterrupted(cfg, tmp_path, uninterrupted)
 
 
 def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path, stop_after: int | None = 5) -> None:
@@ -181,24 +156,50 @@ def stopping_replica(replica_id: int, cfg, stores, lighthouse: str, out: Path, s
     dist.destroy_process_group()
 
 
-def run_groups(target, cfg, stores, out: Path, *args) -> None:
-    """Both replica groups of one launch, each a process running `target`, with a Lighthouse of their own."""
+def run_groups(target, cfg, stores, out: Path, *args, victim: int | None = None) -> list:
+    """Both replica groups of one launch, each a process running `target`, with a Lighthouse of their own. With
+    `victim`, that group must die (exit 1, having written out/died), and a replacement of it is started: the
+    processes are returned with the replacement last."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(i, cfg, stores, lighthouse.address(), out, *args)) for i in (0, 1)]
+
+    def group(i: int):
+        return ctx.Process(target=target, args=(i, cfg, stores, lighthouse.address(), out, *args))
+
+    procs = [group(0), group(1)]
     try:
         for p in procs:
             p.start()
-        for p in procs:
+        if victim is not None:
+            procs[victim].join(timeout=300)
+            assert procs[victim].exitcode == 1 and (out / "died").exists(), f"group {victim} did not die"
+            procs.append(group(victim))
+            procs[-1].start()
+        for i, p in enumerate(procs):
             p.join(timeout=300)
-            assert p.exitcode == 0, f"a replica group ended with {p.exitcode}"
+            assert i == victim or p.exitcode == 0, f"a replica group ended with {p.exitcode}"
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
+    return procs
+
+
+def assert_equals_uninterrupted(cfg, tmp_path, uninterrupted) -> None:
+    """Every step logged once, its loss the uninterrupted run's within 1e-4 (only the summation order differs),
+    and the exported weights the uninterrupted run's to the same tolerance."""
+    losses, weights = uninterrupted
+    run_losses = step_losses(cfg.run_dir)
+    assert [s for s, _ in run_losses] == list(range(1, STEPS + 1)), f"a step logged twice or not at all: {run_losses}"
+    side_by_side = "\n".join(f"{a} {b}" for a, b in zip(run_losses, losses, strict=True))
+    for (_, live_loss), (_, loss) in zip(run_losses, losses, strict=True):
+        assert abs(live_loss - loss) <= 1e-4 * abs(loss), side_by_side
+    exported = final_weights(cfg.run_dir, tmp_path / "hf")
+    for key, expected in weights.items():
+        assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
 
 
 def test_a_stop_asked_of_one_group_ends_every_group_at_the_same_saved_step(tmp_path):
@@ -225,7 +226,6 @@ def test_a_writer_lost_after_the_last_step_leaves_it_saved_by_its_replacement(tm
     applies it and waits at the run's end (not the writer of that step, it saved nothing); the replacement heals to
     the end and, the writer of the round that holds both, saves the last step."""
     from safetensors.torch import load_file
-    from torchft.coordination import LighthouseServer
 
     from raysft.checkpoint import checkpoint_dirs
     from raysft.launch.prelaunch import prepare_launch
@@ -234,25 +234,7 @@ def test_a_writer_lost_after_the_last_step_leaves_it_saved_by_its_replacement(tm
     stores = prepare_launch(cfg, False)
     out = tmp_path / "out"
     out.mkdir()
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000)
-    ctx = mp.get_context("spawn")
-    args = (cfg, stores, lighthouse.address(), out, "writer_after_last")
-    procs = [ctx.Process(target=replica, args=(i, *args)) for i in (0, 1)]
-    try:
-        for p in procs:
-            p.start()
-        procs[0].join(timeout=300)
-        assert procs[0].exitcode == 1 and (out / "died").exists(), "group 0 did not die after the last step"
-        procs.append(ctx.Process(target=replica, args=(0, *args)))
-        procs[-1].start()
-        for p in procs[1:]:
-            p.join(timeout=300)
-            assert p.exitcode == 0, f"a replica group ended with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
+    procs = run_groups(replica, cfg, stores, out, "writer_after_last", victim=0)
     assert checkpoint_dirs(cfg.run_dir)[-1].name == f"checkpoint_{STEPS:08d}"
     survivor, joined = (load_file(out / f"weights-{i}-{procs[p].pid}.safetensors") for i, p in ((1, 1), (0, 2)))
     assert all(survivor[k].equal(joined[k]) for k in survivor), "the replacement's weights differ from the survivor's"
@@ -275,13 +257,5 @@ def test_a_live_run_stopped_and_launched_again_equals_the_uninterrupted_one(tmp_
         run_groups(stopping_replica, run_config(tmp_path, "live-resume", **sets, **extra), stores, out, None)
         ends = [json.loads((out / f"stopping-{i}.json").read_text()) for i in (0, 1)]
         assert ends == [{"step": 5 if extra else STEPS, "stopped": False}] * 2, ends
-    cfg = run_config(tmp_path, "live-resume", **sets)
-    losses, weights = uninterrupted
-    run_losses = step_losses(cfg.run_dir)
-    assert [s for s, _ in run_losses] == list(range(1, STEPS + 1)), run_losses
-    for (_, live_loss), (_, loss) in zip(run_losses, losses, strict=True):
-        assert abs(live_loss - loss) <= 1e-4 * abs(loss), (run_losses, losses)
-    exported = final_weights(cfg.run_dir, tmp_path / "hf")
-    for key, expected in weights.items():
-        assert_close_but_for_rare_elements(exported[key], expected, rtol=1e-4, atol=1e-6, bound=1e-3, what=key)
+    assert_equals_uninterrupted(run_config(tmp_path, "live-resume", **sets), tmp_path, uninterrupted)
 
